@@ -1,0 +1,24 @@
+// Every op schema of the pyparallel namespace, in one place (DESIGN.md). Kernels register per backend
+// with TORCH_LIBRARY_IMPL in csrc/cpu and csrc/cuda; Python wrappers, fake (meta) kernels and the
+// plain-torch references live in pyparallel/_ops.py. pybind11 is only for objects with state.
+#include <torch/extension.h>
+
+TORCH_LIBRARY(pyparallel, m) {
+  // --- gradient buckets (data parallel, ZeRO): multi-tensor copies into / out of one flat buffer ---
+  // Copies tensors[i] (any shape, contiguous or not) into out[offset_i : offset_i + numel_i] in order;
+  // out may be longer than the sum (bucket padding is left untouched). Casts when dtypes differ.
+  m.def("flatten_into(Tensor[] tensors, Tensor(a!) out) -> ()");
+  // The inverse: outs[i].copy_(flat[offset_i : offset_i + numel_i].view_as(outs[i])).
+  m.def("unflatten_from(Tensor flat, Tensor(a!)[] outs) -> ()");
+}
+
+#ifdef PYPARALLEL_WITH_CUDA
+static constexpr bool kWithCuda = true;
+#else
+static constexpr bool kWithCuda = false;
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pyparallel compiled kernels (ops are registered under torch.ops.pyparallel)";
+  m.attr("with_cuda") = kWithCuda;
+}

@@ -1,0 +1,488 @@
+"""The one door to the network: every ``torch.distributed`` collective pyparallel issues goes through here.
+
+Why one module (DESIGN.md, principle 3):
+
+* **Accounting.** Each call is counted per op and per mesh axis: calls, payload bytes and wire bytes.
+  Wire bytes follow the bus-bandwidth convention of nccl-tests: all-reduce moves 2(N-1)/N of the
+  payload per rank, all-gather and reduce-scatter (N-1)/N of the full (gathered / unscattered) tensor,
+  broadcast and point-to-point 1x. ``comm_stats()`` returns the totals, ``reset_comm_stats()`` zeroes them.
+* **Bounded waits.** Groups are created with a timeout; a collective that does not complete in time
+  raises :class:`CollectiveTimeoutError` naming the op, the group, its ranks and this rank, instead of
+  hanging or aborting the process.
+* **Backend gaps.** Some ops are missing on some backends (gloo had no ReduceOp.AVG and no
+  reduce-scatter before torch 2.7; torch 2.13 renamed ``*_tensor`` to ``*_single``). Each gap is probed
+  once per backend by attempting the op (unsupported ops fail on entry, before any byte moves, on every
+  rank alike) and the fallback is remembered.
+* **Debug fingerprints.** With ``PYPARALLEL_DEBUG=1`` (or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) every
+  collective is preceded by an all-gather of (sequence number, op, dtype, shape); ranks that disagree all
+  fail at once with every rank's side named.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+_OP_CODES = {
+    name: i
+    for i, name in enumerate(
+        ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "all_gather_object", "all_to_all"]
+    )
+}
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, closed its connection, or the backend reported an error."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective did not complete within the group's timeout: some rank never joined it."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """(Debug mode) ranks called different collectives, or the same one with different shapes/dtypes."""
+
+
+@dataclass(eq=False)
+class Group:
+    """A process group together with what pyparallel needs to talk about it.
+
+    ``name`` is the mesh axis ("dp", "tp", "pp", "world", ...) used for accounting and error messages;
+    ``ranks`` are global ranks in group order; ``rank`` is this process's index within the group.
+    """
+
+    pg: object
+    name: str
+    ranks: tuple[int, ...]
+    timeout_s: float
+    backend: str
+    seq: int = field(default=0)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(dist.get_rank())
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def __repr__(self) -> str:
+        return f"Group({self.name!r}, ranks={list(self.ranks)})"
+
+
+def new_group(ranks, name: str, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> Group | None:
+    """Create a process group over ``ranks`` (a collective over the world: every rank must call it, in the
+    same order, for every group). Returns the Group on its members and None elsewhere."""
+    ranks = tuple(int(r) for r in ranks)
+    backend = backend or dist.get_backend()
+    pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
+    if dist.get_rank() not in ranks:
+        return None
+    return Group(pg=pg, name=name, ranks=ranks, timeout_s=timeout_s, backend=backend)
+
+
+# ------------------------------------------------------------------------------------------ accounting
+
+_lock = threading.Lock()
+_stats: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])  # calls, payload, wire
+
+
+def _wire_factor(op: str, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0  # broadcast, send, recv
+
+
+def _account(op: str, group: Group, payload_bytes: int) -> None:
+    with _lock:
+        entry = _stats[(op, group.name)]
+        entry[0] += 1
+        entry[1] += int(payload_bytes)
+        entry[2] += int(round(payload_bytes * _wire_factor(op, group.size)))
+
+
+def reset_comm_stats() -> None:
+    """Zero every counter (call at the start of the step you want to measure)."""
+    with _lock:
+        _stats.clear()
+
+
+def comm_stats() -> dict:
+    """This rank's traffic since the last reset.
+
+    Returns ``{"total": {...}, "by_op": {op: {...}}, "by_axis": {axis: {...}}, "by_op_axis": {"op@axis":
+    {...}}}`` where each leaf is ``{"calls", "payload_bytes", "wire_bytes"}``.
+    """
+
+    def leaf():
+        return {"calls": 0, "payload_bytes": 0, "wire_bytes": 0}
+
+    out = {"total": leaf(), "by_op": defaultdict(leaf), "by_axis": defaultdict(leaf), "by_op_axis": {}}
+    with _lock:
+        items = list(_stats.items())
+    for (op, axis), (calls, payload, wire) in items:
+        for bucket in (out["total"], out["by_op"][op], out["by_axis"][axis]):
+            bucket["calls"] += calls
+            bucket["payload_bytes"] += payload
+            bucket["wire_bytes"] += wire
+        out["by_op_axis"][f"{op}@{axis}"] = {"calls": calls, "payload_bytes": payload, "wire_bytes": wire}
+    out["by_op"] = dict(out["by_op"])
+    out["by_axis"] = dict(out["by_axis"])
+    return out
+
+
+# ------------------------------------------------------------------------------------ errors, timeouts
+
+
+def _describe(op: str, group: Group, seq: int) -> str:
+    return (
+        f"{op} on group '{group.name}' (global ranks {list(group.ranks)}), call #{seq} on this group, "
+        f"rank {dist.get_rank()}"
+    )
+
+
+def _translate(exc: Exception, op: str, group: Group, seq: int) -> CollectiveError:
+    text = str(exc)
+    where = _describe(op, group, seq)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return CollectiveTimeoutError(
+            f"pyparallel: {where} did not complete within {group.timeout_s:g} s: a peer rank never joined. "
+            f"Check that every rank of the group calls the same collectives in the same order "
+            f"(set PYPARALLEL_DEBUG=1 to compare them). Backend said: {text.splitlines()[0] if text else ''}"
+        )
+    return CollectiveError(f"pyparallel: {where} failed: {text}")
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` blocks until done and applies any fallback post-processing."""
+
+    def __init__(self, work, op: str, group: Group, seq: int, finish=None):
+        self._work = work
+        self._op = op
+        self._group = group
+        self._seq = seq
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        try:
+            if self._work is not None:
+                self._work.wait()
+        except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError
+            raise _translate(exc, self._op, self._group, self._seq) from exc
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done or (self._work is None or self._work.is_completed())
+
+
+def _run(op: str, group: Group, payload_bytes: int, issue, async_op: bool, fp_tensor=None):
+    """Count, optionally fingerprint, issue and (unless async) wait for one collective.
+
+    ``issue()`` returns ``(work, finish)``: the backend's work object and an optional callable that
+    completes a fallback (a divide for AVG, a slice copy for reduce-scatter) once the work is done."""
+    group.seq += 1
+    seq = group.seq
+    if debug_enabled() and group.size > 1:
+        _check_fingerprint(op, group, seq, fp_tensor)
+    _account(op, group, payload_bytes)
+    work, finish = None, None
+    if group.size > 1:
+        try:
+            work, finish = issue()
+        except Exception as exc:
+            raise _translate(exc, op, group, seq) from exc
+    handle = Handle(work, op, group, seq, finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+# ------------------------------------------------------------------------------ backend feature tests
+
+_unsupported: dict[tuple[str, str], bool] = {}
+
+
+def _try_native(feature: str, group: Group, attempt):
+    """Run ``attempt()``; if the backend rejects the feature on entry, remember and return None."""
+    key = (group.backend, feature)
+    if _unsupported.get(key):
+        return None
+    try:
+        return attempt()
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        text = str(exc).lower()
+        if any(s in text for s in ("not support", "unsupported", "cannot use", "not implemented")):
+            _unsupported[key] = True
+            return None
+        raise
+
+
+def _all_gather_single():
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---------------------------------------------------------------------------------------- collectives
+
+
+def _same_dtype(op: str, group: Group, output: torch.Tensor, tensor: torch.Tensor) -> None:
+    if output.dtype != tensor.dtype:
+        raise ValueError(f"{op} on group '{group.name}': output dtype {output.dtype} differs from input "
+                         f"dtype {tensor.dtype}")
+
+
+def _op(name: str):
+    if name not in _REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {name!r}; choose one of {sorted(_REDUCE_OPS)}")
+    return _REDUCE_OPS[name]
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False):
+    """In-place all-reduce of ``tensor`` over ``group``. ``op`` is sum, avg, max, min or product."""
+    red = _op(op)
+
+    def issue():
+        if op == "avg":
+            work = _try_native("avg", group, lambda: dist.all_reduce(tensor, red, group=group.pg, async_op=True))
+            if work is not None:
+                return work, None
+            # gloo before torch 2.7: sum, then divide.
+            work = dist.all_reduce(tensor, _op("sum"), group=group.pg, async_op=True)
+            return work, lambda: tensor.div_(group.size)
+        return dist.all_reduce(tensor, red, group=group.pg, async_op=True), None
+
+    nbytes = tensor.numel() * tensor.element_size()
+    return _run("all_reduce", group, nbytes, issue, async_op, fp_tensor=tensor)
+
+
+def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Group, async_op: bool = False):
+    """Gather equal-sized ``tensor`` from every rank into ``output`` (size N x tensor, rank order)."""
+    if output.numel() != tensor.numel() * group.size:
+        raise ValueError(
+            f"all_gather on group '{group.name}': output has {output.numel()} elements, expected "
+            f"{group.size} x {tensor.numel()}"
+        )
+    _same_dtype("all_gather", group, output, tensor)
+
+    def issue():
+        work = _try_native(
+            "all_gather_single",
+            group,
+            lambda: _all_gather_single()(output, tensor, group=group.pg, async_op=True),
+        )
+        if work is not None:
+            return work, None
+        parts = list(output.view(group.size, -1).unbind(0))
+        return dist.all_gather(parts, tensor.reshape(-1), group=group.pg, async_op=True), None
+
+    if group.size == 1:
+        output.view(-1).copy_(tensor.reshape(-1))
+    nbytes = output.numel() * output.element_size()
+    return _run("all_gather", group, nbytes, issue, async_op, fp_tensor=tensor)
+
+
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Group, op: str = "sum", async_op=False):
+    """Reduce ``tensor`` (N x output elements) over ``group``; rank r keeps slice r in ``output``."""
+    if tensor.numel() != output.numel() * group.size:
+        raise ValueError(
+            f"reduce_scatter on group '{group.name}': input has {tensor.numel()} elements, expected "
+            f"{group.size} x {output.numel()}"
+        )
+    _same_dtype("reduce_scatter", group, output, tensor)
+    red = _op(op)
+
+    def issue():
+        def native(reduce_op):
+            return lambda: _reduce_scatter_single()(output, tensor, op=reduce_op, group=group.pg, async_op=True)
+
+        work = _try_native("reduce_scatter_" + op, group, native(red))
+        if work is not None:
+            return work, None
+        if op == "avg":  # gloo without AVG: reduce-scatter a sum, then divide
+            work = _try_native("reduce_scatter_sum", group, native(_op("sum")))
+            if work is not None:
+                return work, lambda: output.div_(group.size)
+        # gloo without reduce-scatter: all-reduce a scratch copy and keep our slice.
+        scratch = tensor.detach().clone()
+
+        def keep_slice():
+            mine = scratch.view(group.size, -1)[group.rank]
+            output.view(-1).copy_(mine / group.size if op == "avg" else mine)
+
+        work = dist.all_reduce(scratch, _op("sum") if op == "avg" else red, group=group.pg, async_op=True)
+        return work, keep_slice
+
+    if group.size == 1:
+        output.view(-1).copy_(tensor.reshape(-1))
+    nbytes = tensor.numel() * tensor.element_size()
+    return _run("reduce_scatter", group, nbytes, issue, async_op, fp_tensor=tensor)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False):
+    """Broadcast ``tensor`` from group rank ``src`` (an index into ``group.ranks``) to the group."""
+    if not 0 <= src < group.size:
+        raise ValueError(f"broadcast on group '{group.name}': src {src} is not a rank of a group of {group.size}")
+
+    def issue():
+        return dist.broadcast(tensor, group.ranks[src], group=group.pg, async_op=True), None
+
+    nbytes = tensor.numel() * tensor.element_size()
+    return _run("broadcast", group, nbytes, issue, async_op, fp_tensor=tensor)
+
+
+def barrier(group: Group) -> None:
+    """Block until every rank of ``group`` arrives (an all-reduce of one element, so it honours the
+    group's timeout on every backend)."""
+    token = torch.zeros(1, device=_device_of(group))
+    _run("barrier", group, 0, lambda: (dist.all_reduce(token, group=group.pg, async_op=True), None), False)
+
+
+def all_gather_object(obj, group: Group) -> list:
+    """Gather a picklable object from every rank (for small metadata: fingerprints, shapes)."""
+    group.seq += 1
+    seq = group.seq
+    out = [None] * group.size
+    if group.size == 1:
+        return [obj]
+    try:
+        dist.all_gather_object(out, obj, group=group.pg)
+    except Exception as exc:
+        raise _translate(exc, "all_gather_object", group, seq) from exc
+    _account("all_gather_object", group, 0)
+    return out
+
+
+# -------------------------------------------------------------------------------- point to point (PP)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Group, async_op: bool = False):
+    """Send to group rank ``dst``."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return _p2p("send", group, nbytes, lambda: dist.isend(tensor, group.ranks[dst], group=group.pg), async_op)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False):
+    """Receive from group rank ``src`` into ``tensor``."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return _p2p("recv", group, nbytes, lambda: dist.irecv(tensor, group.ranks[src], group=group.pg), async_op)
+
+
+def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[Handle]:
+    """Issue several sends/receives together: ``ops`` is a list of ("send"|"recv", tensor, group peer).
+
+    Returns one handle per op. Used by pipeline schedules so that a stage that both sends and receives
+    in one slot never deadlocks against its neighbour."""
+    p2p = []
+    for kind, tensor, peer in ops:
+        fn = dist.isend if kind == "send" else dist.irecv
+        p2p.append(dist.P2POp(fn, tensor, group.ranks[peer], group=group.pg))
+        _account(kind, group, tensor.numel() * tensor.element_size())
+    group.seq += 1
+    seq = group.seq
+    if not p2p:
+        return []
+    try:
+        works = dist.batch_isend_irecv(p2p)
+    except Exception as exc:
+        raise _translate(exc, "batch_send_recv", group, seq) from exc
+    return [Handle(w, f"{k}(peer {group.ranks[p]})", group, seq) for w, (k, _, p) in zip(works, ops)]
+
+
+def _p2p(op: str, group: Group, nbytes: int, issue, async_op: bool):
+    group.seq += 1
+    seq = group.seq
+    _account(op, group, nbytes)
+    try:
+        work = issue()
+    except Exception as exc:
+        raise _translate(exc, op, group, seq) from exc
+    handle = Handle(work, op, group, seq)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+# ------------------------------------------------------------------------------------------ debug mode
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("PYPARALLEL_DEBUG", "0") not in ("", "0") or (
+        os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+    )
+
+
+_FP_LEN = 12
+_DTYPES = {}
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.setdefault(dtype, zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF)
+
+
+def _device_of(group: Group) -> torch.device:
+    return torch.device("cpu") if group.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+
+
+def _fingerprint(op: str, seq: int, tensor: torch.Tensor | None) -> list[int]:
+    shape = list(tensor.shape) if tensor is not None else []
+    dtype = _dtype_code(tensor.dtype) if tensor is not None else 0
+    fp = [seq, _OP_CODES.get(op, 99), dtype, len(shape)] + shape[:6]
+    return fp + [0] * (_FP_LEN - len(fp))
+
+
+def _decode(fp: list[int]) -> str:
+    codes = {v: k for k, v in _OP_CODES.items()}
+    dtypes = {v: k for k, v in _DTYPES.items()}
+    ndim = fp[3]
+    shape = fp[4 : 4 + min(ndim, 6)]
+    return f"call #{fp[0]} {codes.get(fp[1], '?')}(shape={tuple(shape)}, dtype={dtypes.get(fp[2], fp[2])})"
+
+
+def _check_fingerprint(op: str, group: Group, seq: int, tensor: torch.Tensor | None) -> None:
+    mine = torch.tensor(_fingerprint(op, seq, tensor), dtype=torch.int64, device=_device_of(group))
+    gathered = torch.empty(group.size * _FP_LEN, dtype=torch.int64, device=mine.device)
+    try:
+        parts = list(gathered.view(group.size, _FP_LEN).unbind(0))
+        dist.all_gather(parts, mine, group=group.pg)
+    except Exception as exc:
+        raise _translate(exc, f"{op} (debug fingerprint)", group, seq) from exc
+    rows = gathered.view(group.size, _FP_LEN).tolist()
+    if any(r != rows[0] for r in rows):
+        sides = "; ".join(f"rank {group.ranks[i]}: {_decode(r)}" for i, r in enumerate(rows))
+        raise CollectiveMismatchError(
+            f"pyparallel: ranks of group '{group.name}' disagree on the next collective (detected on rank "
+            f"{dist.get_rank()}): {sides}"
+        )

@@ -1,0 +1,93 @@
+"""The only module that touches ``torch.cuda`` (DESIGN.md, principle 3).
+
+Everything else asks here for the device of a rank, the backend to use, a side stream or a
+synchronisation, so that a CPU-only run never trips over a CUDA call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def default_backend() -> str:
+    """NCCL when this process can use a GPU, gloo otherwise."""
+    return "nccl" if cuda_available() and torch.distributed.is_nccl_available() else "gloo"
+
+
+def device_for_local_rank(local_rank: int | None = None) -> torch.device:
+    """The device a rank computes on: its local GPU (LOCAL_RANK modulo the visible count) or the CPU."""
+    if not cuda_available():
+        return torch.device("cpu")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait for queued kernels (no-op on CPU); timing code calls this before reading the clock."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def side_stream(device: torch.device):
+    """A stream for copies that overlap compute, or None on CPU."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def stream_context(stream):
+    """``with stream_context(s):`` runs on ``s``; a ``None`` stream (CPU) is a no-op."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def current_stream(device: torch.device):
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def wait_stream(waiter, waitee) -> None:
+    """Make ``waiter`` wait for work queued on ``waitee`` (both CUDA streams, or no-op)."""
+    if waiter is not None and waitee is not None:
+        waiter.wait_stream(waitee)
+
+
+def record_stream(tensor: torch.Tensor, stream) -> None:
+    """Tell the caching allocator that ``tensor`` is used on ``stream`` (no-op on CPU)."""
+    if stream is not None and tensor.is_cuda:
+        tensor.record_stream(stream)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Allocator peak on a GPU; None on CPU (callers measure resident memory instead)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def memory_allocated(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return None
+
+
+def pin_memory_available() -> bool:
+    """Pinned host memory only helps (and only works) when a GPU is present."""
+    return cuda_available()
+
+
+def manual_seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    if cuda_available():
+        torch.cuda.manual_seed_all(seed)

@@ -1,0 +1,111 @@
+"""Collective conformance: every comm.py op x dtype x reduce op x world size 1-4 x even/uneven/empty sizes
+against closed-form results, plus the byte accounting of each call."""
+
+import pytest
+import torch
+from dist import run
+
+import pyparallel
+from pyparallel import comm
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int64]
+SIZES = {"even": 12, "uneven": 13, "empty": 0}
+
+
+def _value(rank, n, dtype):
+    # Small integers: exact in bf16, so closed forms compare with equality.
+    return ((rank + 1) * torch.arange(n) % 7 + rank).to(dtype)
+
+
+def _expected(op, world, n, dtype):
+    stack = torch.stack([_value(r, n, torch.float64) for r in range(world)])
+    out = {"sum": stack.sum(0), "avg": stack.mean(0), "max": stack.max(0).values if n else stack.sum(0),
+           "min": stack.min(0).values if n else stack.sum(0)}[op]
+    return out.to(dtype)
+
+
+def conformance_body():
+    mesh = pyparallel.init()
+    g = mesh.world_group
+    world, rank = g.size, g.rank
+    for dtype in DTYPES:
+        for label, n in SIZES.items():
+            for op in ["sum", "avg", "max", "min"]:
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                t = _value(rank, n, dtype)
+                comm.all_reduce(t, g, op=op)
+                torch.testing.assert_close(t, _expected(op, world, n, dtype), rtol=0, atol=0,
+                                           msg=f"all_reduce {op} {dtype} {label}")
+                # reduce_scatter: every rank contributes world chunks of n elements.
+                full = torch.cat([_value(rank, n, dtype) + c for c in range(world)])
+                out = torch.empty(n, dtype=dtype)
+                comm.reduce_scatter(out, full, g, op=op)
+                shift = world * rank if op == "sum" else rank  # chunk k carries +k from every rank
+                expect = _expected(op, world, n, torch.float64) + shift
+                torch.testing.assert_close(out, expect.to(dtype), rtol=0, atol=0,
+                                           msg=f"reduce_scatter {op} {dtype} {label}")
+            mine = _value(rank, n, dtype)
+            gathered = torch.empty(world * n, dtype=dtype)
+            comm.all_gather(gathered, mine, g)
+            torch.testing.assert_close(gathered, torch.cat([_value(r, n, dtype) for r in range(world)]),
+                                       rtol=0, atol=0, msg=f"all_gather {dtype} {label}")
+            for src in range(world):
+                b = _value(rank, n, dtype)
+                comm.broadcast(b, src, g)
+                torch.testing.assert_close(b, _value(src, n, dtype), rtol=0, atol=0)
+    # Async handles complete and apply their fallback post-processing on wait().
+    t = torch.ones(5)
+    h = comm.all_reduce(t, g, op="avg", async_op=True)
+    h.wait()
+    torch.testing.assert_close(t, torch.ones(5))
+    comm.barrier(g)
+    objs = comm.all_gather_object({"rank": rank}, g)
+    assert [o["rank"] for o in objs] == list(range(world))
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_collectives_conformance(world):
+    assert run(conformance_body, world) == [True] * world
+
+
+def accounting_body():
+    mesh = pyparallel.init()
+    g, n = mesh.world_group, mesh.world_size
+    pyparallel.reset_comm_stats()
+    comm.all_reduce(torch.zeros(1000), g)  # 4000 bytes
+    comm.all_gather(torch.zeros(100 * n), torch.zeros(100), g)  # output 400n bytes
+    comm.reduce_scatter(torch.zeros(10, dtype=torch.float64), torch.zeros(10 * n, dtype=torch.float64), g)  # input 80n bytes
+    comm.broadcast(torch.zeros(3, dtype=torch.int64), 0, g)  # 24 bytes
+    return pyparallel.comm_stats()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_byte_accounting(world):
+    stats = run(accounting_body, world)[0]
+    f = (world - 1) / world
+    by = stats["by_op"]
+    assert by["all_reduce"] == {"calls": 1, "payload_bytes": 4000, "wire_bytes": round(4000 * 2 * f)}
+    assert by["all_gather"] == {"calls": 1, "payload_bytes": 400 * world, "wire_bytes": round(400 * world * f)}
+    assert by["reduce_scatter"] == {"calls": 1, "payload_bytes": 80 * world,
+                                    "wire_bytes": round(80 * world * f)}
+    assert by["broadcast"] == {"calls": 1, "payload_bytes": 24, "wire_bytes": 24}
+    assert stats["by_axis"]["world"]["calls"] == 4
+    assert stats["by_op_axis"]["all_reduce@world"]["payload_bytes"] == 4000
+    assert stats["total"]["payload_bytes"] == 4000 + 480 * world + 24
+
+
+def wrong_size_body():
+    mesh = pyparallel.init()
+    with pytest.raises(ValueError, match="expected 2 x 3"):
+        comm.all_gather(torch.zeros(5), torch.zeros(3), mesh.world_group)
+    with pytest.raises(ValueError, match="dtype"):
+        comm.reduce_scatter(torch.zeros(3), torch.zeros(6, dtype=torch.float64), mesh.world_group)
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        comm.all_reduce(torch.zeros(2), mesh.world_group, op="mean")
+    return True
+
+
+def test_bad_arguments_fail_before_communicating():
+    assert run(wrong_size_body, 2) == [True, True]
