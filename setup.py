@@ -13,7 +13,9 @@ is compiled against the torch you run (an isolated build would fetch another tor
 
 import glob
 import os
+import shutil
 import site
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
@@ -38,9 +40,31 @@ def _nvidia_wheel_includes():
     return found
 
 
+def _locate_cuda_home():
+    """Set CUDA_HOME from nvcc when unset. A wrapper script on the PATH (/usr/local/bin/nvcc exec-ing the
+    real one) would make torch guess the wrong root, so ask nvcc itself where its toolkit lives."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return
+    for line in (out.stdout + out.stderr).splitlines():
+        if "TOP=" in line:
+            top = os.path.normpath(line.split("TOP=", 1)[1].strip())
+            if os.path.isdir(os.path.join(top, "include")):
+                os.environ["CUDA_HOME"] = top
+            return
+
+
 def _extensions():
     if _env_flag("PYPARALLEL_NO_EXT"):
         return [], {}
+    _locate_cuda_home()
     try:
         import torch
         from torch.utils import cpp_extension

@@ -79,7 +79,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        # No key bias: softmax is invariant to adding q·b_k to every score of a row, so its gradient is
+        # analytically zero and only rounding noise remains, which Adam would amplify into drift.
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout

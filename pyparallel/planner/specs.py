@@ -1,0 +1,281 @@
+"""What the planner is asked about: the model, the training run and the cluster.
+
+Pure Python and import-light on purpose: ``pyparallel plan`` must start fast and never needs torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+
+from pyparallel.planner.errors import PlanError
+
+GB = 1e9  # the ZeRO paper's (and the CLI's) gigabyte; GiB are never used in the planner's output
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape, enough to count parameters exactly.
+
+    ``positions`` > 0 means learned position embeddings (GPT-2, GPT-3); 0 means rotary (LLaMA).
+    ``gated_mlp`` is SwiGLU (three FFN matrices), ``norm`` is "layernorm" (weight and bias) or "rmsnorm"
+    (weight only), ``bias`` says whether the linear layers carry biases. A spec built with
+    :meth:`from_params` knows only its parameter count (``layers == 0``): model states can be planned,
+    activations and tensor/pipeline parallelism cannot.
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    kv_heads: int | None = None
+    ffn: int | None = None
+    positions: int = 0
+    tied: bool = True
+    bias: bool = True
+    gated_mlp: bool = False
+    norm: str = "layernorm"
+    default_seq_len: int = 2048
+    total_params: int | None = None  # set only by from_params
+
+    @classmethod
+    def from_params(cls, num_params: int, name: str | None = None) -> ModelSpec:
+        if num_params <= 0:
+            raise PlanError(f"--params must be positive, got {num_params}")
+        return cls(name=name or f"{num_params / 1e9:.3g}B-parameter model", layers=0, hidden=0, heads=0,
+                   vocab=0, total_params=int(num_params))
+
+    @property
+    def has_shape(self) -> bool:
+        return self.total_params is None
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    def _norm_params(self) -> int:
+        return 2 * self.hidden if self.norm == "layernorm" else self.hidden
+
+    def layer_params(self) -> int:
+        """Weights and biases of one transformer block: attention, MLP and its two norms."""
+        h, f = self.hidden, self.ffn_dim
+        kv_dim = self.kv * (h // self.heads)  # grouped-query attention shrinks K and V only
+        attn = 2 * h * h + 2 * h * kv_dim  # Q and output projection h×h, K and V h×kv_dim
+        mats = 3 if self.gated_mlp else 2
+        mlp = mats * h * f
+        if self.bias:
+            attn += 2 * h + 2 * kv_dim
+            mlp += (mats - 1) * f + h
+        return attn + mlp + 2 * self._norm_params()
+
+    def embedding_params(self) -> int:
+        """Token (and learned position) embeddings: what the first pipeline stage holds besides layers."""
+        return self.vocab * self.hidden + self.positions * self.hidden
+
+    def head_params(self) -> int:
+        """Final norm plus an untied output projection: what the last stage holds besides layers."""
+        return self._norm_params() + (0 if self.tied else self.vocab * self.hidden)
+
+    def num_params(self) -> int:
+        """Exact parameter count (tied embeddings counted once); GPT-2 small gives 124,439,808."""
+        if not self.has_shape:
+            return int(self.total_params)
+        return self.embedding_params() + self.layers * self.layer_params() + self.head_params()
+
+    def validate(self) -> ModelSpec:
+        if not self.has_shape:
+            return self
+        for field_name in ("layers", "hidden", "heads", "vocab"):
+            if getattr(self, field_name) <= 0:
+                raise PlanError(f"model {self.name}: {field_name} must be positive, got "
+                                f"{getattr(self, field_name)}")
+        if self.hidden % self.heads:
+            raise PlanError(f"model {self.name}: hidden size {self.hidden} is not divisible by {self.heads} "
+                            f"heads (the head dimension must be an integer); change --hidden or --heads")
+        if self.heads % self.kv:
+            raise PlanError(f"model {self.name}: {self.heads} attention heads are not divisible by "
+                            f"{self.kv} key/value heads; change --kv-heads")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise PlanError(f"model {self.name}: unknown norm {self.norm!r}")
+        return self
+
+
+def _gpt(name, layers, hidden, heads, positions=1024, seq=1024):
+    return ModelSpec(name, layers, hidden, heads, vocab=50257, positions=positions, default_seq_len=seq)
+
+
+def _llama(name, layers, hidden, heads, ffn, kv_heads=None, seq=2048):
+    return ModelSpec(name, layers, hidden, heads, vocab=32000, kv_heads=kv_heads, ffn=ffn, tied=False,
+                     bias=False, gated_mlp=True, norm="rmsnorm", default_seq_len=seq)
+
+
+# GPT-2 shapes from Radford et al. 2019 (as in nanoGPT), GPT-3 175B from Brown et al. 2020, LLaMA 7B/13B
+# from Touvron et al. 2023 (2048-token context) and the 70B with grouped-query attention from Llama 2.
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    m.name: m for m in (
+        _gpt("gpt2-small", 12, 768, 12),
+        _gpt("gpt2-medium", 24, 1024, 16),
+        _gpt("gpt2-large", 36, 1280, 20),
+        _gpt("gpt2-xl", 48, 1600, 25),
+        _gpt("gpt3-175b", 96, 12288, 96, positions=2048, seq=2048),
+        _llama("llama-7b", 32, 4096, 32, ffn=11008),
+        _llama("llama-13b", 40, 5120, 40, ffn=13824),
+        _llama("llama-70b", 80, 8192, 64, ffn=28672, kv_heads=8, seq=4096),
+    )
+}
+
+_ROPE_TYPES = {"llama", "mistral", "mixtral", "qwen2", "gemma", "phi3", "gpt_neox"}
+
+
+def _first(cfg: dict, *keys, default=None):
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def load_hf_config(path: str) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (GPT-2 or LLaMA-style key names)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError as exc:
+        raise PlanError(f"cannot read model config {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"model config {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(cfg, dict):
+        raise PlanError(f"model config {path} must hold a JSON object")
+    layers = _first(cfg, "n_layer", "num_hidden_layers", "num_layers")
+    hidden = _first(cfg, "n_embd", "hidden_size", "d_model")
+    heads = _first(cfg, "n_head", "num_attention_heads")
+    vocab = _first(cfg, "vocab_size")
+    missing = [k for k, v in (("n_layer/num_hidden_layers", layers), ("n_embd/hidden_size", hidden),
+                              ("n_head/num_attention_heads", heads), ("vocab_size", vocab)) if v is None]
+    if missing:
+        raise PlanError(f"model config {path} lacks {', '.join(missing)}")
+    model_type = str(cfg.get("model_type", ""))
+    rotary = model_type in _ROPE_TYPES or "rope_theta" in cfg or "rope_scaling" in cfg
+    gated = model_type in _ROPE_TYPES - {"gpt_neox"} or cfg.get("hidden_act") in ("silu", "swiglu")
+    positions = 0 if rotary else int(_first(cfg, "n_positions", "max_position_embeddings", default=0))
+    seq = int(_first(cfg, "n_positions", "max_position_embeddings", default=2048))
+    return ModelSpec(
+        name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
+        layers=int(layers), hidden=int(hidden), heads=int(heads), vocab=int(vocab),
+        kv_heads=_first(cfg, "num_key_value_heads"), ffn=_first(cfg, "intermediate_size", "n_inner"),
+        positions=positions, tied=bool(cfg.get("tie_word_embeddings", True)),
+        bias=bool(_first(cfg, "attention_bias", "bias", default=not gated)), gated_mlp=gated,
+        norm="rmsnorm" if "rms_norm_eps" in cfg else "layernorm", default_seq_len=seq,
+    ).validate()
+
+
+def resolve_model(name_or_path: str) -> ModelSpec:
+    """A preset name or a path to a config.json (or to the folder holding one)."""
+    if name_or_path in MODEL_PRESETS:
+        return MODEL_PRESETS[name_or_path]
+    path = name_or_path
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if os.path.isfile(path) or path.endswith(".json"):
+        return load_hf_config(path)
+    raise PlanError(f"unknown model {name_or_path!r}; known presets: {', '.join(MODEL_PRESETS)} "
+                    f"(or pass a config.json path, --layers/--hidden/--heads, or --params)")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens.
+
+    ``micro_batch`` None lets the search choose it. ``efficiency`` is the fraction of peak FLOP/s the
+    matmuls reach (an assumption, not a measurement); ``margin`` is the share of GPU memory kept free for
+    the caching allocator's fragmentation, the CUDA context and NCCL.
+    """
+
+    seq_len: int = 2048
+    global_batch: int = 256
+    micro_batch: int | None = None
+    dtype: str = "bf16"
+    optimizer: str = "adam"
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 2
+    efficiency: float = 0.5
+    margin: float = 0.10
+    bucket_mb: float = 25.0
+
+    def validate(self) -> TrainSpec:
+        checks = [
+            (self.seq_len > 0, f"--seq-len must be positive, got {self.seq_len}"),
+            (self.global_batch > 0, f"--global-batch must be positive, got {self.global_batch}"),
+            (self.micro_batch is None or self.micro_batch > 0,
+             f"--micro-batch must be positive, got {self.micro_batch}"),
+            (self.dtype in ("bf16", "fp16", "fp32"), f"--dtype must be bf16, fp16 or fp32, got {self.dtype}"),
+            (self.optimizer in ("adam", "adamw", "sgd"),
+             f"--optimizer must be adam, adamw or sgd, got {self.optimizer}"),
+            (self.recompute in ("none", "selective", "full"),
+             f"--recompute must be none, selective or full, got {self.recompute}"),
+            (self.schedule in ("1f1b", "gpipe", "interleaved"),
+             f"--schedule must be 1f1b, gpipe or interleaved, got {self.schedule}"),
+            (self.virtual_stages >= 1, f"--virtual-stages must be >= 1, got {self.virtual_stages}"),
+            (0 < self.efficiency <= 1, f"--efficiency must be in (0, 1], got {self.efficiency}"),
+            (0 <= self.margin < 1, f"--margin must be in [0, 1), got {self.margin}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise PlanError(msg)
+        return self
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.global_batch
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Per-GPU hardware figures. Bandwidths are achievable bus bandwidth per GPU, one direction, GB/s
+    (what nccl-tests reports as busbw), not the datasheet's bidirectional link rate."""
+
+    name: str
+    gpus_per_node: int
+    memory_gb: float
+    peak_tflops: float  # dense bf16/fp16 tensor-core peak
+    peak_tflops_fp32: float
+    intra_bw: float  # NVLink / NVSwitch inside a node
+    inter_bw: float  # InfiniBand/RoCE between nodes, per GPU (one NIC per GPU)
+    pcie_bw: float = 20.0  # GPU <-> host, for offload
+    host_bw: float = 200.0  # host memory bandwidth per node, shared by its GPUs' CPU optimizer steps
+
+    def peak_flops(self, dtype: str) -> float:
+        return (self.peak_tflops_fp32 if dtype == "fp32" else self.peak_tflops) * 1e12
+
+    def validate(self) -> ClusterSpec:
+        for k in ("gpus_per_node", "memory_gb", "peak_tflops", "peak_tflops_fp32", "intra_bw", "inter_bw",
+                  "pcie_bw", "host_bw"):
+            if getattr(self, k) <= 0:
+                raise PlanError(f"cluster {self.name}: {k} must be positive, got {getattr(self, k)}")
+        return self
+
+
+CLUSTER_PRESETS: dict[str, ClusterSpec] = {
+    c.name: c for c in (
+        ClusterSpec("a100-40g", 8, 40, 312, 19.5, intra_bw=240, inter_bw=23, pcie_bw=20, host_bw=200),
+        ClusterSpec("a100-80g", 8, 80, 312, 19.5, intra_bw=240, inter_bw=23, pcie_bw=20, host_bw=200),
+        ClusterSpec("h100", 8, 80, 989, 67, intra_bw=360, inter_bw=45, pcie_bw=40, host_bw=300),
+        ClusterSpec("h200", 8, 141, 989, 67, intra_bw=360, inter_bw=45, pcie_bw=40, host_bw=300),
+        # Processes on CPUs with gloo: shared-memory "links" inside a host, 10 GbE between hosts.
+        ClusterSpec("cpu", 8, 16, 0.1, 0.1, intra_bw=5, inter_bw=1.2, pcie_bw=10, host_bw=20),
+    )
+}
+
+
+def resolve_cluster(name: str, **overrides) -> ClusterSpec:
+    if name not in CLUSTER_PRESETS:
+        raise PlanError(f"unknown cluster {name!r}; known presets: {', '.join(CLUSTER_PRESETS)}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return replace(CLUSTER_PRESETS[name], **given).validate()
