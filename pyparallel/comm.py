@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pyparallel import device
+
 DEFAULT_TIMEOUT_S = 300.0
 
 _REDUCE_OPS = {
@@ -453,7 +455,7 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def _device_of(group: Group) -> torch.device:
-    return torch.device("cpu") if group.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if group.backend == "gloo" else device.current_cuda_device()
 
 
 def _fingerprint(op: str, seq: int, tensor: torch.Tensor | None) -> list[int]:

@@ -32,6 +32,11 @@ def device_for_local_rank(local_rank: int | None = None) -> torch.device:
     return torch.device("cuda", index)
 
 
+def current_cuda_device() -> torch.device:
+    """The CUDA device this process has selected (NCCL collectives run on it)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def synchronize(device: torch.device | None = None) -> None:
     """Wait for queued kernels (no-op on CPU); timing code calls this before reading the clock."""
     if device is not None and device.type == "cuda":

@@ -1,0 +1,81 @@
+"""Failures end with an error on every rank that names the op, the group and the ranks; nothing hangs."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import run
+
+import pyparallel
+from pyparallel import comm
+
+
+def debug_mismatch_body():
+    mesh = pyparallel.init()
+    g = mesh.world_group
+    with pytest.raises(pyparallel.CollectiveMismatchError) as info:
+        if dist.get_rank() == 0:
+            comm.all_reduce(torch.zeros(4), g)
+        else:
+            comm.all_gather(torch.zeros(4 * g.size), torch.zeros(4), g)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("env", [{"PYPARALLEL_DEBUG": "1"}, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}])
+def test_debug_mode_names_both_sides_of_a_mismatch(env):
+    for msg in run(debug_mismatch_body, 2, env=env):
+        assert "rank 0: call #1 all_reduce(shape=(4,)" in msg
+        assert "rank 1: call #1 all_gather(shape=(4,)" in msg
+
+
+def shape_mismatch_body():
+    mesh = pyparallel.init()
+    n = 3 if dist.get_rank() == 0 else 5
+    with pytest.raises(pyparallel.CollectiveMismatchError) as info:
+        comm.all_reduce(torch.zeros(n), mesh.world_group)
+    return str(info.value)
+
+
+def test_debug_mode_catches_shape_mismatch():
+    for msg in run(shape_mismatch_body, 2, env={"PYPARALLEL_DEBUG": "1"}):
+        assert "shape=(3,)" in msg and "shape=(5,)" in msg
+
+
+def timeout_body(timeout_s):
+    mesh = pyparallel.init(timeout_s=timeout_s)
+    if dist.get_rank() == 1:
+        time.sleep(timeout_s + 4)  # skip the collective, but stay alive past the peer's timeout
+        return None
+    start = time.monotonic()
+    with pytest.raises(pyparallel.CollectiveTimeoutError) as info:
+        comm.all_reduce(torch.ones(3), mesh.world_group)
+    return str(info.value), time.monotonic() - start
+
+
+def test_skipped_collective_times_out_with_a_named_error():
+    msg, waited = run(timeout_body, 2, 3.0, fresh_after=True)[0]
+    assert "all_reduce on group 'world'" in msg and "global ranks [0, 1]" in msg and "rank 0" in msg
+    assert "did not complete within 3 s" in msg
+    assert waited < 30  # bounded by the group's timeout, not the 300 s default
+
+
+def bad_degrees_body():
+    with pytest.raises(ValueError) as info:
+        pyparallel.init(dp=3, tp=2)
+    return str(info.value)
+
+
+def test_wrong_degrees_fail_before_any_collective():
+    for msg in run(bad_degrees_body, 4):
+        assert "dp (3) x tp (2) x pp (1) = 6 does not equal the world size 4" in msg
+
+
+def test_degree_validation_is_local():
+    from pyparallel.mesh import resolve_degrees
+
+    assert resolve_degrees(8, None, 2, 2) == (2, 2, 2)
+    with pytest.raises(ValueError, match="world size 6 is not divisible by tp \\(4\\)"):
+        resolve_degrees(6, None, 4, 1)
+    with pytest.raises(ValueError, match="tp must be a positive integer"):
+        resolve_degrees(4, None, 0, 1)
