@@ -1,7 +1,11 @@
 // Every op schema of the pyparallel namespace, in one place (DESIGN.md). Kernels register per backend
 // with TORCH_LIBRARY_IMPL in csrc/cpu and csrc/cuda; Python wrappers, fake (meta) kernels and the
 // plain-torch references live in pyparallel/_ops.py. pybind11 is only for objects with state.
+#ifdef PYPARALLEL_NO_PYTHON
+#include <torch/library.h>
+#else
 #include <torch/extension.h>
+#endif
 
 TORCH_LIBRARY(pyparallel, m) {
   // --- gradient buckets (data parallel, ZeRO): multi-tensor copies into / out of one flat buffer ---
@@ -12,6 +16,7 @@ TORCH_LIBRARY(pyparallel, m) {
   m.def("unflatten_from(Tensor flat, Tensor(a!)[] outs) -> ()");
 }
 
+#ifndef PYPARALLEL_NO_PYTHON
 #ifdef PYPARALLEL_WITH_CUDA
 static constexpr bool kWithCuda = true;
 #else
@@ -22,3 +27,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pyparallel compiled kernels (ops are registered under torch.ops.pyparallel)";
   m.attr("with_cuda") = kWithCuda;
 }
+#endif  // PYPARALLEL_NO_PYTHON

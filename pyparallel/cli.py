@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyparallel", description="Data, ZeRO, tensor and pipeline "
                                      "parallel training: plan a layout, benchmark it, train with it.")
     subs = parser.add_subparsers(dest="command", metavar="{plan,bench,train}")
-    plan = subs.add_parser("plan", help="predict memory, traffic and step time of every layout; recommend one",
+    plan = subs.add_parser("plan", help="predict memory, traffic and step time per layout; recommend one",
                            description="Search DP × TP × PP layouts, ZeRO stages, offload and micro-batch "
                            "sizes; rank those that fit by estimated step time.")
     add_plan_arguments(plan)

@@ -128,6 +128,7 @@ class WorkerPool:
             c.send((fn, args, env))
         results: dict[int, tuple[str, object]] = {}
         deadline = time.monotonic() + deadline_s
+        first_failure = float("inf")
         while len(results) < self.world_size:
             now = time.monotonic()
             failed = any(s == "error" for s, _ in results.values())

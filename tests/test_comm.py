@@ -76,7 +76,8 @@ def accounting_body():
     pyparallel.reset_comm_stats()
     comm.all_reduce(torch.zeros(1000), g)  # 4000 bytes
     comm.all_gather(torch.zeros(100 * n), torch.zeros(100), g)  # output 400n bytes
-    comm.reduce_scatter(torch.zeros(10, dtype=torch.float64), torch.zeros(10 * n, dtype=torch.float64), g)  # input 80n bytes
+    f64 = torch.float64
+    comm.reduce_scatter(torch.zeros(10, dtype=f64), torch.zeros(10 * n, dtype=f64), g)  # input 80n bytes
     comm.broadcast(torch.zeros(3, dtype=torch.int64), 0, g)  # 24 bytes
     return pyparallel.comm_stats()
 

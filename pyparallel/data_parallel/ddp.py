@@ -32,7 +32,7 @@ def check_same_parameters(named_params, group: comm.Group, what: str = "data-par
     corrupt anything: it is the first collective a wrapper issues."""
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named_params]
     everyone = comm.all_gather_object(mine, group)
-    for r, theirs in enumerate(everyone):
+    for theirs in everyone:
         if theirs == everyone[0]:
             continue
         for i in range(max(len(theirs), len(everyone[0]))):

@@ -9,8 +9,14 @@ from dataclasses import replace
 
 from pyparallel.planner.errors import PlanError
 from pyparallel.planner.search import SearchOptions
-from pyparallel.planner.specs import CLUSTER_PRESETS, MODEL_PRESETS, ModelSpec, TrainSpec, resolve_cluster, \
-    resolve_model
+from pyparallel.planner.specs import (
+    CLUSTER_PRESETS,
+    MODEL_PRESETS,
+    ModelSpec,
+    TrainSpec,
+    resolve_cluster,
+    resolve_model,
+)
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -96,10 +102,10 @@ def model_from_args(a: argparse.Namespace) -> ModelSpec:
                         f"(missing {', '.join(missing)})")
     llama = a.arch == "llama"
     spec = ModelSpec(name=f"custom {sizes['layers']}×{sizes['hidden']}", layers=sizes["layers"],
-                     hidden=sizes["hidden"], heads=sizes["heads"], vocab=sizes.get("vocab", 32000 if llama else 50257),
-                     kv_heads=sizes.get("kv_heads"), ffn=sizes.get("ffn"), positions=0,
-                     tied=not llama, bias=not llama, gated_mlp=llama, norm="rmsnorm" if llama else "layernorm",
-                     default_seq_len=a.seq_len or 2048)
+                     hidden=sizes["hidden"], heads=sizes["heads"],
+                     vocab=sizes.get("vocab", 32000 if llama else 50257), kv_heads=sizes.get("kv_heads"),
+                     ffn=sizes.get("ffn"), positions=0, tied=not llama, bias=not llama, gated_mlp=llama,
+                     norm="rmsnorm" if llama else "layernorm", default_seq_len=a.seq_len or 2048)
     if not llama:  # GPT-2 style learns one position embedding per context position
         spec = replace(spec, positions=a.seq_len or 2048)
     return spec.validate()

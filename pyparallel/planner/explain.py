@@ -12,19 +12,26 @@ from pyparallel.planner.specs import GB
 
 
 def _gb(x: float) -> str:
-    return f"{x / GB:.3g} GB" if x >= 1e8 or x == 0 else f"{x / 1e6:.3g} MB"
+    if x == 0:
+        return "0"
+    return f"{x / GB:.3g} GB" if x >= 1e8 else f"{x / 1e6:.3g} MB"
 
 
 def _states(pb: Problem, c: Candidate, params_rank: float) -> list[str]:
     per = mem.state_bytes_per_param(pb.train.dtype, pb.train.optimizer)
     sharded = {0: set(), 1: {"optimizer", "master"}, 2: {"optimizer", "master", "grads"},
                3: {"optimizer", "master", "grads", "params"}}[c.zero_stage]
-    out = [f"Model states (Rajbhandari et al. 2020; {'DDP' if not c.zero_stage else f'ZeRO-{c.zero_stage}'}, "
-           f"N = dp = {c.dp}; bytes per parameter {per})"]
+    full = " + ".join(f"{per[k]}Ψ" for k in per if per[k] and k not in sharded)
+    split = sum(per[k] for k in per if k in sharded)
+    formula = " + ".join(x for x in (full, f"{split}Ψ/N" if split else "") if x)
+    name = "DDP" if not c.zero_stage else f"ZeRO-{c.zero_stage}"
+    total = sum(per[k] * params_rank / (c.dp if k in sharded else 1) for k in per)
+    out = [f"Model states (Rajbhandari et al. 2020), {name}, N = dp = {c.dp}: {formula} = {_gb(total)}"
+           + (" before offload" if c.offload else "")]
     for part in ("params", "grads", "master", "optimizer"):
         if not per[part]:
             continue
-        n = f"/N" if part in sharded else ""
+        n = "/N" if part in sharded else ""
         value = per[part] * params_rank / (c.dp if part in sharded else 1)
         where = " → CPU (offload)" if c.offload and part in ("master", "optimizer") else ""
         out.append(f"  {part:<9} {per[part]}Ψ{n} = {per[part]} × {params_rank:.4g}{f' / {c.dp}' if n else ''}"
@@ -37,7 +44,8 @@ def _activation_formula(pb: Problem, c: Candidate) -> tuple[str, str]:
     s, b, h, a, t = tr.seq_len, c.micro_batch, m.hidden, m.heads, c.tp
     sub = f"s={s}, b={b}, h={h}, a={a}, t={t}"
     if tr.recompute == "full":
-        return ("2·s·b·h" + ("/t" if tr.sequence_parallel else "") + " (full recompute: layer input only)", sub)
+        only = " (full recompute: layer input only)"
+        return ("2·s·b·h" + ("/t" if tr.sequence_parallel else "") + only, sub)
     attn = "" if tr.recompute == "selective" else " + 5·a·s/h"
     if tr.sequence_parallel or t == 1:
         return (f"s·b·h{'/t' if t > 1 else ''}·(34{attn})", sub)
@@ -51,9 +59,9 @@ def _activations(pb: Problem, c: Candidate, worst: dict) -> list[str]:
     formula, sub = _activation_formula(pb, c)
     return [
         f"Activations per layer (Korthikanti et al. 2022): {formula}, {sub} = {_gb(act['per_layer'])}",
-        f"  × {worst['layers']} layers on stage {worst['stage']} × {act['in_flight']:g} micro-batches in flight "
-        f"({pb.train.schedule}) = {_gb(act['layers'])}; + embedding mask {_gb(act['embedding'])}"
-        f" + output layer 4·s·b·(h+V)/t {_gb(act['output'])} = {_gb(act['total'])}",
+        f"  × {worst['layers']} layers on stage {worst['stage']} × {act['in_flight']:g} micro-batch(es) in "
+        f"flight ({pb.train.schedule}) = {_gb(act['layers'])}; + embedding mask {_gb(act['embedding'])}"
+        f" + output layer 4·s·b·(h+V)/t (last stage) {_gb(act['output'])} = {_gb(act['total'])}",
     ]
 
 
@@ -71,7 +79,8 @@ def _comm(pb: Problem, c: Candidate) -> list[str]:
         out.append(f"  {ph.axis}: {ph.name}: {_gb(ph.bytes)} × {ph.repeats} at {bw:g} GB/s = "
                    f"{secs * ph.repeats * 1e3:.1f} ms, {hide}")
     ex = c.exposed_s
-    out.append(f"  exposed: dp {ex['dp'] * 1e3:.1f} ms, tp {ex['tp'] * 1e3:.1f} ms, pp {ex['pp'] * 1e3:.1f} ms"
+    out.append(f"  exposed: dp {ex['dp'] * 1e3:.1f} ms, tp {ex['tp'] * 1e3:.1f} ms, "
+               f"pp {ex['pp'] * 1e3:.1f} ms"
                + (f", offload {ex['offload']:.2f} s (PCIe {d['offload']['pcie']:.2f} s + CPU optimizer "
                   f"{d['offload']['cpu_step']:.2f} s)" if c.offload else ""))
     return out
@@ -83,11 +92,14 @@ def _time(pb: Problem, c: Candidate) -> list[str]:
     flops = (f"(6Ψ + 12·L·h·s)·tokens = (6 × {m.num_params():.4g} + 12 × {m.layers} × {m.hidden} × "
              f"{tr.seq_len}) × {tr.tokens:,}" if m.has_shape else f"6Ψ·tokens = 6 × {m.num_params():.4g} × "
              f"{tr.tokens:,}")
-    rec = {"full": " × 4/3 (full recompute)", "selective": " + attention-core recompute"}.get(tr.recompute, "")
+    rec = {"full": " × 4/3 (full recompute)",
+           "selective": " + attention-core recompute"}.get(tr.recompute, "")
+    if rec:
+        rec += f" → {d['hw_flops']:.4g}"
     bubble_f = "(p−1)/(m+p−1)" + ("/v" if tr.schedule == "interleaved" else "")
     exposed = sum(c.exposed_s.values())
     return [
-        f"Compute (Narayanan et al. 2021): {flops} = {d['model_flops']:.4g} FLOPs{rec} → {d['hw_flops']:.4g}; "
+        f"Compute (Narayanan et al. 2021): {flops} = {d['model_flops']:.4g} FLOPs{rec}; "
         f"/ ({d['world']} GPUs × {d['peak'] / 1e12:g} TFLOP/s × {tr.efficiency:g})"
         + (f" × stage imbalance {d['imbalance']:.3g}" if d["imbalance"] != 1 else "")
         + f" = {c.compute_s:.4g} s",

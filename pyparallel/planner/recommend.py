@@ -44,7 +44,7 @@ class Plan:
             "model": model, "training": asdict(pb.train), "cluster": asdict(pb.cluster),
             "gpus": pb.options.gpus, "usable_bytes_per_gpu": int(pb.usable_bytes),
             "candidates": [c.to_dict() for c in self.candidates],
-            "rejected_layouts": self.rejected,
+            "skipped": self.rejected,
             "recommendation": {"candidate": self.best.to_dict(), "label": self.best.label(),
                                "reason": self.reason, "runner_up": runner,
                                "runner_up_step_time_ratio": ratio},
@@ -103,8 +103,9 @@ def no_fit_message(pb: Problem, cands: list[Candidate]) -> str:
     hints.append("or pick GPUs with more memory (--cluster h200)")
     return (f"does not fit: smallest per-GPU need is {m['total'] / GB:.0f} GB with {_zero_name(small)} on "
             f"{pb.options.gpus} GPUs (DP {small.dp} × TP {small.tp} × PP {small.pp}, micro-batch "
-            f"{small.micro_batch}: model states {states / GB:.1f} GB, activations {m['activations'] / GB:.1f} "
-            f"GB), but only {pb.usable_bytes / GB:.1f} GB of {pb.cluster.memory_gb:g} GB is usable "
+            f"{small.micro_batch}: model states {states / GB:.1f} GB, activations "
+            f"{m['activations'] / GB:.1f} GB), but only {pb.usable_bytes / GB:.1f} GB of "
+            f"{pb.cluster.memory_gb:g} GB is usable "
             f"({pb.train.margin:.0%} kept free); " + ", ".join(hints))
 
 
@@ -147,8 +148,8 @@ def _zero_clause(pb: Problem, best: Candidate, cands: list[Candidate]) -> str:
     if best.dp > 1:
         head += (f"; ZeRO-{best.zero_stage} shards {_SHARDS[best.zero_stage]} over the {best.dp} "
                  f"data-parallel ranks")
-    lower = _min_need(cands, lambda c: 0 < c.zero_stage < best.zero_stage and c.strategy[:3] == best.strategy[:3]
-                      and not c.offload)
+    lower = _min_need(cands, lambda c: 0 < c.zero_stage < best.zero_stage and not c.offload
+                      and c.strategy[:3] == best.strategy[:3])
     if lower is not None and not lower.fits:
         head += f" (ZeRO-{lower.zero_stage} would need {lower.memory_bytes['total'] / GB:.1f} GB)"
     if best.offload:
@@ -180,7 +181,8 @@ def reason(pb: Problem, best: Candidate, cands: list[Candidate], runner: Candida
                          f"{model.layers} layers each hold 1/{best.pp} of the weights, with a "
                          f"{best.bubble_fraction:.0%} bubble at {best.num_microbatches} micro-batches")
         if best.dp > 1:
-            zero = f" with ZeRO-{best.zero_stage} sharding {_SHARDS[best.zero_stage]}" if best.zero_stage else ""
+            zero = f" with ZeRO-{best.zero_stage} sharding {_SHARDS[best.zero_stage]}" \
+                if best.zero_stage else ""
             parts.append(f"data parallelism over {best.dp} replicas{zero} supplies the rest")
         if best.offload:
             parts.append(f"offload keeps the fp32 master weights and optimizer state "

@@ -33,7 +33,7 @@ def summary_lines(plan: Plan) -> list[str]:
         f"{cl.memory_gb:g} GB per GPU, {pb.usable_bytes / GB:.1f} GB usable ({tr.margin:.0%} margin), "
         f"{cl.peak_flops(tr.dtype) / 1e12:g} TFLOP/s peak at {tr.efficiency:.0%} efficiency",
         f"Searched {len(plan.candidates)} configurations, {fit} fit"
-        + (f"; {len(plan.rejected)} layouts turned away (see --json)" if plan.rejected else ""),
+        + (f"; {len(plan.rejected)} layouts or modes skipped (reasons in --json)" if plan.rejected else ""),
     ]
 
 
@@ -85,7 +85,9 @@ def render(plan: Plan, top: int = 10, plain: bool = False, file=None) -> None:
     else:
         for line in summary_lines(plan):
             console.print(line, markup=False)
-        table = Table(*HEADERS, title="Fitting configurations, fastest first (best micro-batch each)")
+        table = Table(title="Fitting configurations, fastest first (best micro-batch each)")
+        for i, h in enumerate(HEADERS):
+            table.add_column(h, justify="left" if i == 4 else "right")
         for r in rows:
             table.add_row(*r)
         console.print(table)

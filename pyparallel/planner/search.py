@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from pyparallel.planner import memory as mem
 from pyparallel.planner import timing, traffic
-from pyparallel.planner.errors import PlanError
 from pyparallel.planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 
@@ -155,8 +154,12 @@ def evaluate(pb: Problem, dp: int, tp: int, pp: int, zero: int, offload: bool, m
     fwd_share = 0.25 if tr.recompute == "full" else 1 / 3  # backward also reruns the forward under full
     windows = {"forward": per_mb * fwd_share, "backward": per_mb * (1 - fwd_share), "none": 0.0}
     exposed = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "offload": 0.0}
+    left = dict(windows)  # phases hiding behind the same compute share it (ZeRO-3's backward gather + RS)
     for ph in phases:
-        exposed[ph.axis] += timing.exposed_seconds(ph, bandwidth[ph.axis], windows[ph.overlap])
+        bw = bandwidth[ph.axis]
+        e = timing.exposed_seconds(ph, bw, left[ph.overlap])
+        exposed[ph.axis] += e
+        left[ph.overlap] = max(0.0, left[ph.overlap] - (ph.bytes / (bw * 1e9) - e / ph.repeats))
     off = None
     if offload:
         off = timing.offload_seconds(params_rank / dp, mem.DTYPE_BYTES[tr.dtype], cl.pcie_bw, cl.host_bw,
@@ -166,7 +169,8 @@ def evaluate(pb: Problem, dp: int, tp: int, pp: int, zero: int, offload: bool, m
     model_flops = timing.model_flops_per_step(model, tr.seq_len, tr.tokens)
     return Candidate(
         dp=dp, tp=tp, pp=pp, zero_stage=zero, offload=offload, micro_batch=mb, num_microbatches=m,
-        memory_bytes=worst["memory"], cpu_bytes=worst["cpu"], fits=worst["memory"]["total"] <= pb.usable_bytes,
+        memory_bytes=worst["memory"], cpu_bytes=worst["cpu"],
+        fits=worst["memory"]["total"] <= pb.usable_bytes,
         comm_bytes=traffic.summarize(phases), exposed_s=exposed, bubble_fraction=bubble, compute_s=compute_s,
         step_time_s=step, mfu=timing.mfu(model_flops, step, world, peak),
         detail={"worst": worst, "phases": phases, "bandwidth": bandwidth, "hw_flops": hw_flops,
@@ -186,7 +190,8 @@ def _tp_problem(pb: Problem, tp: int) -> str | None:
     if not model.has_shape:
         return "tensor parallelism needs the layer shapes (give --model or --layers/--hidden/--heads)"
     if g % tp and not pb.options.allow_cross_node_tp:
-        return f"tp {tp} does not divide the {g} GPUs per node (TP stays inside a node; --allow-cross-node-tp)"
+        return (f"tp {tp} does not divide the {g} GPUs per node (TP stays inside a node unless "
+                f"--allow-cross-node-tp)")
     for what, n in (("hidden size", model.hidden), ("attention heads", model.heads),
                     ("key/value heads", model.kv), ("FFN size", model.ffn_dim)):
         if n % tp:
@@ -242,7 +247,8 @@ def _modes(pb: Problem, dp: int, pp: int) -> list[tuple[int, bool]]:
 
 
 def enumerate_candidates(pb: Problem) -> tuple[list[Candidate], list[dict]]:
-    """Every valid configuration, evaluated; and the layouts turned away, with the reason."""
+    """Every valid configuration, evaluated; and what was skipped (layouts, or ZeRO modes of a layout),
+    each with its reason."""
     world, opts = pb.options.gpus, pb.options
     cands, rejected = [], []
     for tp in divisors(world):
@@ -260,7 +266,8 @@ def enumerate_candidates(pb: Problem) -> tuple[list[Candidate], list[dict]]:
             mbs = [] if why else _micro_batches(pb, dp, pp)
             if not why and not mbs:
                 why = (f"no micro-batch size fits: {pb.train.global_batch // dp} sequences per DP rank "
-                       f"(micro-batch {pb.train.micro_batch or 'any'}; a pipeline needs >= {pp} micro-batches)")
+                       f"(micro-batch {pb.train.micro_batch or 'any'}; a pipeline needs >= {pp} "
+                       f"micro-batches)")
             if why:
                 rejected.append({"dp": dp, "tp": tp, "pp": pp, "reason": why})
                 continue
@@ -274,7 +281,8 @@ def enumerate_candidates(pb: Problem) -> tuple[list[Candidate], list[dict]]:
 
 
 def rank_key(c: Candidate) -> tuple:
-    # Step times equal to 3 significant digits count as a tie; then prefer less traffic, a lower ZeRO stage, no offload, and
-    # bigger micro-batches (real kernels run faster on them; the model's fixed efficiency cannot see it).
+    # Step times equal to 3 significant digits count as a tie; then prefer less traffic, a lower ZeRO
+    # stage, no offload, and bigger micro-batches (real kernels run faster on them; the model's fixed
+    # efficiency cannot see it).
     return (float(f"{c.step_time_s:.3g}"), round(c.comm_bytes_per_step), c.zero_stage, c.offload,
             -c.micro_batch, c.memory_bytes["total"])

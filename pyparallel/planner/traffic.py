@@ -78,9 +78,10 @@ def dp_phases(params_rank: float, zero_stage: int, dp: int, dtype: str = "bf16",
         return [Phase("grad reduce-scatter", "dp", f("reduce_scatter") * grads, m, "backward", bucket_bytes),
                 gather]
     layer = layer_params * w
+    first = f("all_gather") * layer  # the first layer's gather has nothing to hide behind
     return [
-        Phase("fwd param all-gather", "dp", f("all_gather") * weights, m, "forward", f("all_gather") * layer),
-        Phase("bwd param all-gather", "dp", f("all_gather") * weights, m, "backward", f("all_gather") * layer),
+        Phase("fwd param all-gather", "dp", f("all_gather") * weights, m, "forward", first),
+        Phase("bwd param all-gather", "dp", f("all_gather") * weights, m, "backward", first),
         Phase("grad reduce-scatter", "dp", f("reduce_scatter") * grads, m, "backward", bucket_bytes),
     ]
 
