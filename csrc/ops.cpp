@@ -14,6 +14,14 @@ TORCH_LIBRARY(pyparallel, m) {
   m.def("flatten_into(Tensor[] tensors, Tensor(a!) out) -> ()");
   // The inverse: outs[i].copy_(flat[offset_i : offset_i + numel_i].view_as(outs[i])).
   m.def("unflatten_from(Tensor flat, Tensor(a!)[] outs) -> ()");
+  // --- tensor parallel: fused GeLU -> row matmul ---
+  // y = gelu(z + bias) @ weight^T with z [..., K], bias [K] or None, weight [N, K]; approximate is "none"
+  // (erf) or "tanh" as in torch.nn.functional.gelu. gelu(z + bias) is never materialized in full.
+  m.def("gelu_linear(Tensor z, Tensor? bias, Tensor weight, str approximate=\"none\") -> Tensor");
+  // (grad_z, grad_bias, grad_weight) from z alone (gelu recomputed); outputs not in output_mask are empty.
+  m.def("gelu_linear_backward(Tensor grad_out, Tensor z, Tensor? bias, Tensor weight, str approximate, "
+        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // --- end tensor parallel ---
 }
 
 #ifndef PYPARALLEL_NO_PYTHON

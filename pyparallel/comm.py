@@ -193,7 +193,13 @@ class Handle:
         if self._done:
             return
         try:
-            if self._work is not None:
+            if self._work is None:
+                pass
+            elif self._group.backend == "nccl":
+                # NCCL's watchdog would abort the process at the group timeout; waiting with the same
+                # bound raises here first, as a Python exception we can name.
+                self._work.wait(timeout=datetime.timedelta(seconds=self._group.timeout_s))
+            else:  # gloo enforces the group's timeout inside the op and raises
                 self._work.wait()
         except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError
             raise _translate(exc, self._op, self._group, self._seq) from exc

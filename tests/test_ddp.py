@@ -135,3 +135,30 @@ def test_models_that_differ_across_ranks_are_named():
     for msg in messages:
         assert "gpt.embed.wte.weight" in msg and "(64, 32)" in msg and "(64, 16)" in msg
         assert "rank 0" in msg and "rank 1" in msg
+
+
+def reduce_dtype_body():
+    mesh = pyparallel.init()
+    rank, world = mesh.dp_rank, mesh.dp
+    idx, tgt = batches(1, 4 * world)[0]
+    local = 4
+    # Reference: each rank's bf16 gradient, averaged in fp32, rounded back to bf16.
+    per_rank = []
+    for r in range(world):
+        m = Net().to(torch.bfloat16)
+        m(idx[r * local:(r + 1) * local], tgt[r * local:(r + 1) * local]).backward()
+        per_rank.append({n: p.grad.float() for n, p in m.named_parameters()})
+    expected = {n: (sum(g[n] for g in per_rank) / world).to(torch.bfloat16) for n in per_rank[0]}
+    model = Net().to(torch.bfloat16)
+    ddp = pyparallel.DataParallel(model, mesh, bucket_cap_mb=0.004, reduce_dtype=torch.float32)
+    pyparallel.reset_comm_stats()
+    ddp(idx[rank * local:(rank + 1) * local], tgt[rank * local:(rank + 1) * local]).backward()
+    for n, p in model.named_parameters():
+        assert p.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=0, msg=n)
+    sent = pyparallel.comm_stats()["by_op_axis"]["all_reduce@dp"]["payload_bytes"]
+    return sent == 4 * sum(p.numel() for p in model.parameters())  # reduced in fp32 on the wire
+
+
+def test_bf16_model_reduces_in_fp32():
+    assert run(reduce_dtype_body, 2) == [True, True]

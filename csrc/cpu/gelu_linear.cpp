@@ -301,8 +301,7 @@ void backward_impl(const at::Tensor& gy, const at::Tensor& z, const std::vector<
   const int64_t grain = std::max<int64_t>(1, 16384 / kb);
   for (int64_t k0 = 0; k0 < k; k0 += kb) {
     const int64_t kc = std::min(kb, k - k0);
-    auto a_blk = abuf.narrow(1, 0, kc).view({m, kc});  // contiguous [m, kc] view of the buffer's start
-    a_blk = at::from_blob(abuf.data_ptr(), {m, kc}, opts);
+    auto a_blk = at::from_blob(abuf.data_ptr(), {m, kc}, opts);  // contiguous [m, kc] view of the buffer
     T* ap = a_blk.template data_ptr<T>();
     at::parallel_for(0, m, grain, [&](int64_t lo, int64_t hi) {
       std::vector<A> scratch(std::is_same_v<T, A> ? 0 : 2 * kc);

@@ -58,9 +58,11 @@ def plan(model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, options: Sear
     _check_options(options)
     cands, rejected = enumerate_candidates(pb)
     if not cands:
-        reasons = "; ".join(sorted({r["reason"] for r in rejected})) or "no layout matched --dp/--tp/--pp"
-        raise PlanError(f"no valid layout for {options.gpus} GPUs: {reasons}; change --gpus, --global-batch "
-                        f"or the fixed degrees")
+        distinct = list(dict.fromkeys(r["reason"] for r in rejected))
+        more = f" (and {len(distinct) - 3} more reasons)" if len(distinct) > 3 else ""
+        reasons = "; ".join(distinct[:3]) + more if distinct else "no layout matched --dp/--tp/--pp"
+        raise PlanError(f"no valid layout for {options.gpus} GPUs: {reasons}; change --gpus, --global-batch, "
+                        f"--micro-batch or the fixed degrees")
     fitting = sorted((c for c in cands if c.fits), key=rank_key)
     if not fitting:
         raise PlanError(no_fit_message(pb, cands))

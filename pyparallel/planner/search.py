@@ -229,6 +229,15 @@ def _micro_batches(pb: Problem, dp: int, pp: int) -> list[tuple[int, int]]:
     return out
 
 
+def _micro_batch_problem(pb: Problem, dp: int, pp: int) -> str:
+    per_rank, mb = pb.train.global_batch // dp, pb.train.micro_batch
+    if mb and per_rank % mb:
+        return f"--micro-batch {mb} does not divide the {per_rank} sequences per data-parallel rank"
+    return (f"{per_rank} sequences per data-parallel rank make fewer than the {pp} micro-batches a "
+            f"{pp}-stage pipeline needs" + (" (or not a multiple of it)" if pb.train.schedule == "interleaved"
+                                              else ""))
+
+
 def _modes(pb: Problem, dp: int, pp: int) -> list[tuple[int, bool]]:
     """(ZeRO stage, offload) pairs worth evaluating for a layout."""
     out = []
@@ -265,9 +274,7 @@ def enumerate_candidates(pb: Problem) -> tuple[list[Candidate], list[dict]]:
             why = _pp_problem(pb, pp, dp)
             mbs = [] if why else _micro_batches(pb, dp, pp)
             if not why and not mbs:
-                why = (f"no micro-batch size fits: {pb.train.global_batch // dp} sequences per DP rank "
-                       f"(micro-batch {pb.train.micro_batch or 'any'}; a pipeline needs >= {pp} "
-                       f"micro-batches)")
+                why = _micro_batch_problem(pb, dp, pp)
             if why:
                 rejected.append({"dp": dp, "tp": tp, "pp": pp, "reason": why})
                 continue

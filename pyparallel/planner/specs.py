@@ -165,7 +165,7 @@ def load_hf_config(path: str) -> ModelSpec:
     positions = 0 if rotary else int(_first(cfg, "n_positions", "max_position_embeddings", default=0))
     seq = int(_first(cfg, "n_positions", "max_position_embeddings", default=2048))
     return ModelSpec(
-        name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
+        name=str(cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or path),
         layers=int(layers), hidden=int(hidden), heads=int(heads), vocab=int(vocab),
         kv_heads=_first(cfg, "num_key_value_heads"), ffn=_first(cfg, "intermediate_size", "n_inner"),
         positions=positions, tied=bool(cfg.get("tie_word_embeddings", True)),
