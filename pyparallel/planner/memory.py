@@ -113,10 +113,12 @@ def in_flight_microbatches(stage: int, pp: int, num_microbatches: int, schedule:
     Narayanan et al. 2021) lets stage i hold at most p − i. Interleaving with v chunks per stage makes
     the first stage hold 1 + (p−1)/(p·v) times more (Korthikanti et al. 2022, section 4.2.3).
     """
+    if pp <= 1:
+        return 1.0  # no pipeline: gradient accumulation runs micro-batches one after another
     if schedule == "gpipe":
         return float(num_microbatches)
     held = float(min(pp - stage, num_microbatches))
-    if schedule == "interleaved" and pp > 1:
+    if schedule == "interleaved":
         held *= 1 + (pp - 1) / (pp * virtual_stages)
     return held
 

@@ -73,11 +73,13 @@ class Candidate:
                 f"micro-batch {self.micro_batch} × {self.num_microbatches}")
 
     def to_dict(self) -> dict:
+        memory = {k: int(round(v)) for k, v in self.memory_bytes.items() if k != "total"}
+        memory["total"] = sum(memory.values())  # exactly the sum of the rounded parts
         return {
             "dp": self.dp, "tp": self.tp, "pp": self.pp, "zero_stage": self.zero_stage,
             "offload": self.offload, "micro_batch": self.micro_batch,
             "num_microbatches": self.num_microbatches,
-            "memory_bytes": {k: int(round(v)) for k, v in self.memory_bytes.items()},
+            "memory_bytes": memory,
             "cpu_bytes": int(round(self.cpu_bytes)), "fits": self.fits,
             "comm_bytes_per_step": int(round(self.comm_bytes_per_step)),
             "comm_bytes_by_axis": {k: int(round(self.comm_bytes[k])) for k in ("dp", "tp", "pp")},
