@@ -120,7 +120,7 @@ ext_modules, cmdclass = _extensions()
 
 setup(
     packages=find_packages(include=["pyparallel", "pyparallel.*"]),
-    package_data={"pyparallel": ["data/*.txt"]},
+    package_data={"pyparallel.data": ["*.txt"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
