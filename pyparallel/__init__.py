@@ -27,7 +27,7 @@ _EXPORTS = {
 }
 _SUBMODULES = {
     "comm", "device", "mesh", "checkpoint", "memory", "amp", "zero", "optim", "tensor_parallel",
-    "pipeline_parallel", "planner", "bench", "models", "data_parallel",
+    "pipeline_parallel", "planner", "bench", "models", "data_parallel", "data",
 }
 
 __all__ = ["LaunchError", "launch", *sorted(_EXPORTS), *sorted(_SUBMODULES)]
