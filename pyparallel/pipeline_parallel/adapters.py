@@ -1,0 +1,91 @@
+"""Hugging Face causal LMs (LLaMA, GPT-2 and their relatives) as a list of one-tensor-in, one-tensor-out
+blocks: ``[embedding, *decoder layers, final norm + LM head]``.
+
+A decoder layer needs more than the hidden states: a causal mask, and for rotary models the position
+ids and (cos, sin) tables. Those depend only on the sequence length, so each wrapped layer rebuilds them
+from its input instead of shipping them between stages (the rotary module holds no parameters, only an
+``inv_freq`` buffer, and is shared by the wrappers). Only full-length sequences without padding or KV
+cache are supported: this is the training path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class HFEmbedding(nn.Module):
+    """Token embedding (+ learned positions for GPT-2) (+ dropout): the first block."""
+
+    def __init__(self, tokens: nn.Module, positions: nn.Module | None, drop: nn.Module | None):
+        super().__init__()
+        self.tokens, self.positions, self.drop = tokens, positions, drop
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids)
+        if self.positions is not None:
+            x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        return self.drop(x) if self.drop is not None else x
+
+
+class HFDecoderLayer(nn.Module):
+    """One decoder layer; builds its causal mask and rotary tables from the input's sequence length."""
+
+    def __init__(self, layer: nn.Module, config, rotary: nn.Module | None):
+        super().__init__()
+        self.layer = layer
+        self.config = config
+        # Not a registered submodule: it has no parameters, and registering it in every layer would
+        # make it look shared between pipeline stages.
+        self.__dict__["rotary"] = rotary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        # position_ids=None: positions are a plain arange (no packed sequences to detect, which would
+        # read tensor values and so fail on the meta device used for shape inference).
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                  position_ids=None)
+        kwargs = {}
+        if self.rotary is not None:
+            rot = self.rotary if x.device.type != "meta" else _meta_rotary(self.rotary)
+            kwargs = {"position_ids": pos, "position_embeddings": rot(x, position_ids=pos)}
+        out = self.layer(x, attention_mask=mask, use_cache=False, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _meta_rotary(rotary: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(rotary).to("meta")
+
+
+class HFHead(nn.Module):
+    """Final norm + LM head: the last block."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))  # [b, s, h] @ [h, vocab] -> [b, s, vocab]
+
+
+def hf_blocks(model) -> list[nn.Module] | None:
+    """The blocks of a Hugging Face causal LM, or None when ``model`` is not one we recognise."""
+    prefix = getattr(model, "base_model_prefix", None)
+    base = getattr(model, prefix, None) if prefix else None
+    head = getattr(model, "lm_head", None)
+    if base is None or head is None:
+        return None
+    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    tokens = getattr(base, "embed_tokens", None) or getattr(base, "wte", None)
+    norm = getattr(base, "norm", None) or getattr(base, "ln_f", None)
+    if layers is None or tokens is None or norm is None:
+        return None
+    config = model.config
+    rotary = getattr(base, "rotary_emb", None)
+    embed = HFEmbedding(tokens, getattr(base, "wpe", None), getattr(base, "drop", None))
+    wrapped = [HFDecoderLayer(layer, config, rotary) for layer in layers]
+    return [embed, *wrapped, HFHead(norm, head)]

@@ -1,0 +1,341 @@
+"""``PipelineParallel``: a model split over the mesh's pipeline axis, trained one step at a time.
+
+    pipe = PipelineParallel(model, mesh, schedule="1f1b", num_microbatches=8)
+    opt = torch.optim.AdamW(pipe.parameters())        # this rank's chunk(s) only
+    loss = pipe.step(inputs, targets); opt.step(); opt.zero_grad()
+
+``step`` splits the batch into ``m`` micro-batches, runs the schedule's action list (``schedules.py``)
+with point-to-point traffic derived from it (``p2p.py``), and leaves gradients ready for any optimizer:
+
+* **Loss scaling.** Micro-batch ``i``'s loss (a mean over its ``n_i`` target tokens) is multiplied by
+  ``n_i / N`` before backward, where ``N`` counts target tokens over all micro-batches and all
+  data-parallel replicas. Gradients are *summed* over micro-batches (and over the DP group, see below),
+  so they are the gradients of the mean loss over the whole global batch, and ``step`` returns that mean.
+* **Tied weights.** A parameter held by chunks on different stages (the GPT's ``wte`` / ``lm_head``)
+  has its gradient all-reduced (summed) among those stages, in a group of just them, before ``step``
+  returns (Megatron-LM's embedding group, Shoeybi et al. 2019). The copies start identical (broadcast
+  from the first stage at construction) and so stay identical under any deterministic optimizer.
+* **Data parallel.** With ``dp > 1``, ``reduce_dp_grads=True`` sums gradients over the DP group.
+  Pass ``False`` to leave them per-replica for an optimizer that reduces them itself (ZeRO's
+  reduce-scatter) — which must then *sum*, not average, because the loss is already pre-scaled.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+from pyparallel import _ops, comm
+from pyparallel.data_parallel.ddp import broadcast_tensors
+from pyparallel.pipeline_parallel import partition, schedules
+from pyparallel.pipeline_parallel.p2p import Links
+from pyparallel.pipeline_parallel.stage import Chunk, StageCompute, infer_shapes, meta_copy
+from pyparallel.pipeline_parallel.stats import SavedTensorMeter, StageStats, StepRecord
+
+_DP_BUCKET_BYTES = 25 * 2**20
+
+
+class PipelineParallel:
+    """Pipeline-parallel training over ``mesh.pp`` stages (Huang et al. 2019; Narayanan et al. 2021).
+
+    ``model_or_blocks``: the built-in GPT, a Hugging Face causal LM, an ``nn.Sequential`` or a list of
+    modules (one tensor in, one tensor out). Every rank passes the same, identically initialised model;
+    each keeps only its chunks. ``schedule``: "gpipe", "1f1b" or "interleaved" (with ``virtual_stages``
+    >= 2 chunks per rank). ``loss_fn(outputs, targets)`` returns the mean over ``count_fn(targets)``
+    terms (default: token cross-entropy for language models, required otherwise). ``boundaries``: the
+    ``p * v + 1`` block indices where chunks start (default: balanced by parameter count).
+    """
+
+    def __init__(self, model_or_blocks, mesh, *, schedule: str = "1f1b", num_microbatches: int | None = None,
+                 virtual_stages: int = 1, loss_fn=None, count_fn=None, boundaries=None,
+                 activation_checkpointing: bool = False, reduce_dp_grads: bool = True,
+                 track_activation_memory: bool = False):
+        blocks, default_loss = partition.to_blocks(model_or_blocks)
+        self.loss_fn = loss_fn or default_loss
+        if self.loss_fn is None:
+            raise ValueError(f"a {type(model_or_blocks).__name__} has no default loss: pass "
+                             f"loss_fn(outputs, targets) returning the mean loss of a micro-batch")
+        self.count_fn = count_fn or partition.default_count
+        self.mesh, self.group = mesh, mesh.pp_group
+        self.p, self.rank, self.v, self.schedule = mesh.pp, mesh.pp_rank, virtual_stages, schedule
+        schedules.check_schedule(schedule, self.p, virtual_stages)
+        if num_microbatches is not None:
+            schedules.check_config(schedule, self.p, num_microbatches, virtual_stages)
+        self.num_microbatches = num_microbatches
+        self.bounds = partition.plan_chunks(blocks, self.p, virtual_stages, boundaries)
+        self.num_chunks = self.p * virtual_stages
+        self.reduce_dp_grads = reduce_dp_grads
+        self._meta_blocks = meta_copy(blocks)
+        self.chunks = {c: Chunk(blocks[self.bounds[c]:self.bounds[c + 1]], c, self.bounds[c],
+                                activation_checkpointing).to(mesh.device)
+                       for c in range(self.num_chunks) if c % self.p == self.rank}
+        self._p2p_groups = self._make_p2p_groups()
+        self._tied = self._make_tied_groups(partition.tied_parameters(blocks, self.bounds, self.p))
+        self._sync_initial_weights()
+        self._meter = SavedTensorMeter(exclude=self.parameters()) if track_activation_memory else None
+        self._plans: dict[int, tuple] = {}
+        self._shapes: dict[tuple, list | None] = {}
+        self._stats = StageStats()
+        self._last_m: int | None = None
+
+    # --------------------------------------------------------------------------------- parameters
+
+    def parameters(self):
+        """This rank's parameters (each once), for the optimizer."""
+        seen = set()
+        for chunk in self.chunks.values():
+            for prm in chunk.parameters():
+                if id(prm) not in seen:
+                    seen.add(id(prm))
+                    yield prm
+
+    def named_parameters(self):
+        seen = set()
+        for c, chunk in sorted(self.chunks.items()):
+            for name, prm in chunk.named_parameters():
+                if id(prm) not in seen:
+                    seen.add(id(prm))
+                    yield f"chunk{c}.{name}", prm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for chunk in self.chunks.values():
+            chunk.zero_grad(set_to_none=set_to_none)
+
+    def train(self, mode: bool = True):
+        for chunk in self.chunks.values():
+            chunk.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == (self.num_chunks - 1) % self.p
+
+    def _make_p2p_groups(self) -> dict[tuple[int, int], comm.Group]:
+        """A two-rank group (sender first) per direction of every pair of stages that exchange messages,
+        per (dp, tp) coordinate, created on every rank in one order (see ``p2p.py`` for why per
+        direction). Then one small message through each, in the same global order on every rank, so
+        that lazily initialised communicators (NCCL) are set up before any schedule depends on them."""
+        mesh, p, edges = self.mesh, self.p, set()
+        for c in range(self.num_chunks - 1):
+            a, b = c % p, (c + 1) % p
+            edges |= {(a, b), (b, a)}
+        mine = {}
+        for dp in range(mesh.dp):
+            for tp in range(mesh.tp):
+                for a, b in sorted(edges):
+                    ranks = [mesh.rank_of(dp, tp, a), mesh.rank_of(dp, tp, b)]
+                    g = comm.new_group(ranks, "pp", mesh.timeout_s, mesh.backend)
+                    if g is not None:
+                        mine[(a, b)] = g
+        ping = torch.zeros(1, device=mesh.device)
+        for (a, _b), g in sorted(mine.items()):
+            if a == self.rank:
+                comm.send(ping, 1, g)
+            else:
+                comm.recv(ping, 0, g)
+        return mine
+
+    def _make_tied_groups(self, tied) -> list[tuple[nn.Parameter, comm.Group]]:
+        """One group per set of stages sharing a weight, per (dp, tp) coordinate; created on every rank in
+        the same order (``comm.new_group`` is a collective over the world)."""
+        mesh, mine, groups = self.mesh, [], {}
+        for stages in sorted({s for _, s, _ in tied}):
+            for dp in range(mesh.dp):
+                for tp in range(mesh.tp):
+                    ranks = [mesh.rank_of(dp, tp, s) for s in stages]
+                    g = comm.new_group(ranks, "pp_tied", mesh.timeout_s, mesh.backend)
+                    if g is not None:
+                        groups[stages] = g
+        for _, stages, prm in tied:
+            if self.rank in stages:
+                mine.append((prm, groups[stages]))
+        return mine
+
+    def _sync_initial_weights(self) -> None:
+        with torch.no_grad():
+            for prm, group in self._tied:
+                comm.broadcast(prm.data, 0, group)  # the first stage's copy wins
+            if self.mesh.dp > 1:
+                broadcast_tensors([t.data for t in self.parameters()], self.mesh.dp_group)
+
+    # -------------------------------------------------------------------------------------- a step
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int | None = None) -> float:
+        """Forward and backward of one batch through the pipeline; returns the mean loss over the batch
+        (and over the DP group), the same on every rank. Gradients accumulate into ``.grad`` (call the
+        optimizer's ``zero_grad`` between steps). Every stage passes the same ``inputs`` and ``targets``
+        (the first stage reads the inputs, the last the targets; all use their shapes to validate)."""
+        start = time.perf_counter()
+        m = num_microbatches or self.num_microbatches
+        self._validate(inputs, targets, m)
+        self._last_m = m
+        dev = self.mesh.device
+        mb_inputs = inputs.to(dev).tensor_split(m) if self.is_first else None
+        mb_targets = targets.to(dev).tensor_split(m) if self.is_last else None
+        expected_shapes = self._infer(mb_shape(inputs, m), mb_shape(targets, m))
+        scales = self._loss_scales(mb_targets) if self.is_last else None
+        actions, expected = self._plan(m)
+        compute = StageCompute(self.chunks, self.num_chunks, self.loss_fn, self._meter)
+        if self._meter is not None:
+            self._meter.reset_peak()
+        links = Links(self._p2p_groups, self.rank, expected, dev, expected_shapes)
+        self._run(actions, compute, links, mb_inputs, mb_targets, scales)
+        loss, flush_s = self._flush(compute.loss_sum)
+        self._reduce_tied()
+        if self.reduce_dp_grads and self.mesh.dp > 1:
+            self._reduce_dp()
+        self._stats.steps.append(StepRecord(
+            busy_s=compute.busy_s, idle_s=links.wait_s + flush_s, wall_s=time.perf_counter() - start,
+            peak_inflight=compute.peak_inflight,
+            peak_activation_bytes=self._meter.peak if self._meter is not None else None))
+        return loss
+
+    def _validate(self, inputs, targets, m) -> None:
+        """Identical on every rank (every rank sees the same shapes), so all raise together."""
+        if m is None:
+            raise ValueError("pass num_microbatches to PipelineParallel(...) or to step(...)")
+        schedules.check_config(self.schedule, self.p, m, self.v)
+        if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+            raise ValueError("step(inputs, targets) takes two tensors, batch dimension first")
+        if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
+            raise ValueError(f"inputs of shape {tuple(inputs.shape)} and targets of shape "
+                             f"{tuple(targets.shape)} must share the batch (first) dimension")
+        if inputs.shape[0] % m:
+            raise ValueError(f"the batch of {inputs.shape[0]} samples is not divisible by num_microbatches "
+                             f"({m}); use a batch that is a multiple of {m}")
+
+    def _infer(self, x_shape, t_shape):
+        key = (x_shape, t_shape)
+        if key not in self._shapes:
+            x = torch.empty(x_shape[0], dtype=x_shape[1], device="meta")
+            t = torch.empty(t_shape[0], dtype=t_shape[1], device="meta")
+            shapes = infer_shapes(self._meta_blocks, self.bounds, self.p, x, t, self.loss_fn)
+            self._shapes[key] = None if shapes is None else dict(enumerate(shapes))
+        return self._shapes[key]
+
+    def _loss_scales(self, mb_targets) -> list[float]:
+        counts = torch.tensor([float(self.count_fn(t)) for t in mb_targets], dtype=torch.float64)
+        total = counts.sum().reshape(1)
+        if self.mesh.dp > 1:
+            comm.all_reduce(total, self.mesh.dp_group)
+        return (counts / total.clamp_min(1.0)).tolist()
+
+    def _plan(self, m: int):
+        if m not in self._plans:
+            lists = [schedules.build(self.schedule, r, self.p, m, self.v) for r in range(self.p)]
+            expected = {peer: schedules.messages_from(lists[peer], peer, self.rank, self.p, self.num_chunks)
+                        for peer in range(self.p) if peer != self.rank}
+            self._plans[m] = (lists[self.rank], expected)
+        return self._plans[m]
+
+    def _run(self, actions, compute: StageCompute, links: Links, mb_inputs, mb_targets, scales) -> None:
+        p, last = self.p, self.num_chunks - 1
+        for a in actions:
+            c, i = a.chunk, a.mb
+            if a.kind == "F":
+                if c == 0:
+                    x = mb_inputs[i]
+                else:
+                    x = links.take((c - 1) % p, ("act", c - 1, i))
+                    x.requires_grad_(links.act_meta[c - 1][2] and x.is_floating_point())
+                if c == last:
+                    compute.forward(c, i, x, mb_targets[i], scales[i])
+                else:
+                    links.send_act(c, compute.forward(c, i, x), (c + 1) % p)
+            else:
+                grad = None
+                if c != last and links.sent_meta[c][2]:
+                    grad = links.take((c + 1) % p, ("grad", c, i))
+                gx = compute.backward(c, i, grad)
+                if gx is not None:
+                    links.send_grad(gx, (c - 1) % p)
+            links.progress()
+        links.finish()
+
+    # --------------------------------------------------------------------------------- end of step
+
+    def _flush(self, local_loss) -> tuple[float, float]:
+        """All-reduce the loss over the pipeline group: the flush every stage waits in until the whole
+        pipeline has drained (so its wait is bubble). Then sum over the DP replicas."""
+        start = time.perf_counter()
+        loss = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
+        if self.is_last:
+            loss += local_loss
+        comm.all_reduce(loss, self.group)
+        flush_s = time.perf_counter() - start
+        if self.mesh.dp > 1:
+            comm.all_reduce(loss, self.mesh.dp_group)
+        return float(loss.item()), flush_s
+
+    def _reduce_tied(self) -> None:
+        for prm, group in self._tied:
+            if prm.grad is None:
+                prm.grad = torch.zeros_like(prm)
+            comm.all_reduce(prm.grad, group, op="sum")
+
+    @torch.no_grad()
+    def _reduce_dp(self) -> None:
+        """Sum gradients over the DP group in flat buckets of ~25 MB, all in flight at once."""
+        params = [q for q in self.parameters() if q.requires_grad]
+        for q in params:
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        buckets, cur, size = [], [], 0
+        for q in params:
+            if cur and (q.dtype != cur[0].dtype or size + q.numel() * q.element_size() > _DP_BUCKET_BYTES):
+                buckets.append(cur)
+                cur, size = [], 0
+            cur.append(q)
+            size += q.numel() * q.element_size()
+        if cur:
+            buckets.append(cur)
+        pending = []
+        for b in buckets:
+            flat = torch.empty(sum(q.numel() for q in b), dtype=b[0].dtype, device=b[0].device)
+            _ops.flatten_into([q.grad for q in b], flat)
+            pending.append((b, flat, comm.all_reduce(flat, self.mesh.dp_group, async_op=True)))
+        for b, flat, handle in pending:
+            handle.wait()
+            _ops.unflatten_from(flat, [q.grad for q in b])
+
+    # --------------------------------------------------------------------------------------- stats
+
+    def reset_stats(self) -> None:
+        self._stats = StageStats()
+
+    def stats(self, local: bool = False) -> dict:
+        """Measured bubble next to theory, peak in-flight micro-batches, over the steps since
+        ``reset_stats()``. A collective over the pipeline group (every stage must call it) unless
+        ``local=True``, which returns only this stage's numbers without communicating."""
+        m = self._last_m or self.num_microbatches or self.p
+        mine = {"stage": self.rank, **self._stats.summary(),
+                "inflight_limit": schedules.inflight_limit(self.schedule, self.rank, self.p, m, self.v)}
+        out = {"schedule": self.schedule, "p": self.p, "v": self.v, "m": m,
+               "bubble_theory": schedules.theoretical_bubble(self.p, m, self.v)}
+        if local:
+            return {**out, **mine}
+        stages = comm.all_gather_object(mine, self.group)
+        measured = [s["bubble"] for s in stages if s.get("steps")]
+        medians = [s["bubble_median_step"] for s in stages if s.get("steps")]
+        out.update({
+            "bubble_measured": sum(measured) / len(measured) if measured else None,
+            "bubble_measured_median_step": sum(medians) / len(medians) if medians else None,
+            "peak_inflight": [s.get("peak_inflight") for s in stages],
+            "inflight_limit": [s["inflight_limit"] for s in stages],
+            "peak_activation_bytes": [s.get("peak_activation_bytes") for s in stages],
+            "stages": stages,
+        })
+        return out
+
+
+def mb_shape(t: torch.Tensor, m: int) -> tuple[tuple, torch.dtype]:
+    return (t.shape[0] // m, *t.shape[1:]), t.dtype

@@ -1,0 +1,191 @@
+"""Pipeline schedules as plain action lists, one per stage, plus the message order they imply.
+
+A schedule here is data, not code: for stage ``r`` it is the ordered list of :class:`Action` the stage
+executes — ``F(chunk, mb)`` (forward of model chunk ``chunk`` on micro-batch ``mb``) or ``B(chunk, mb)``.
+The runtime (``engine.py``) walks the list and derives every send and receive from it, so one executor
+runs all three schedules and the schedules themselves are testable without processes.
+
+* **GPipe** (Huang et al. 2019): every forward, then every backward. Keeps all ``m`` micro-batches of
+  activations alive.
+* **1F1B** (PipeDream-flush; Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training"):
+  stage ``r`` runs ``p - r - 1`` warm-up forwards, then alternates one forward and one backward, then
+  drains the remaining backwards. Same bubble as GPipe, at most ``p - r`` micro-batches alive.
+* **Interleaved 1F1B** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", section 2.2): each rank holds ``v`` model chunks (chunk ``c`` lives on rank
+  ``c mod p``); micro-batches move through the chunks in groups of ``p``. The bubble time shrinks by ``v``
+  at the price of ``v`` times more point-to-point messages.
+
+Global chunk ``c`` of ``C = p * v`` chunks lives on rank ``c % p`` (local index ``c // p``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class Action(NamedTuple):
+    kind: str  # "F" or "B"
+    chunk: int  # global chunk index
+    mb: int  # micro-batch index
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.chunk}.{self.mb}"
+
+
+def check_schedule(schedule: str, p: int, v: int) -> None:
+    """ValueError for a schedule / virtual-stage combination that cannot run on ``p`` stages."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
+    if schedule == "interleaved":
+        if v < 2:
+            raise ValueError(f"schedule='interleaved' needs virtual_stages >= 2 (got {v}); with one chunk per "
+                             f"rank use schedule='1f1b'")
+        if p < 2:
+            raise ValueError(f"schedule='interleaved' needs at least 2 pipeline stages (got pp={p})")
+    elif v != 1:
+        raise ValueError(f"virtual_stages={v} only applies to schedule='interleaved' (got {schedule!r})")
+
+
+def check_config(schedule: str, p: int, m: int, v: int) -> None:
+    """ValueError (naming the numbers) for a schedule that cannot run with these degrees."""
+    check_schedule(schedule, p, v)
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"num_microbatches must be a positive integer, got {m!r}")
+    if m < p:
+        raise ValueError(f"num_microbatches ({m}) is smaller than the number of pipeline stages ({p}); "
+                         f"use at least {p} micro-batches (more shrink the bubble (p-1)/(m+p-1))")
+    if schedule == "interleaved" and m % p:
+        raise ValueError(f"interleaved 1F1B needs num_microbatches ({m}) to be a multiple of the number of "
+                         f"pipeline stages ({p}); try {(m // p + 1) * p}")
+
+
+def gpipe(rank: int, p: int, m: int) -> list[Action]:
+    return [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
+
+
+def one_f_one_b(rank: int, p: int, m: int) -> list[Action]:
+    warmup = min(p - rank - 1, m)
+    out = [Action("F", rank, i) for i in range(warmup)]
+    for i in range(m - warmup):  # steady state: the forward of mb warmup+i, then the backward of mb i
+        out += [Action("F", rank, warmup + i), Action("B", rank, i)]
+    out += [Action("B", rank, i) for i in range(m - warmup, m)]
+    return out
+
+
+def interleaved(rank: int, p: int, m: int, v: int) -> list[Action]:
+    """Megatron-LM's interleaved order: the k-th forward of this rank works on micro-batch
+    ``(k // (p v)) p + k % p`` of local chunk ``(k // p) % v``; backwards run the chunks in reverse."""
+    total = m * v
+
+    def unit(k: int, backward: bool) -> tuple[int, int]:
+        group, within = divmod(k, p * v)
+        local = within // p
+        if backward:
+            local = v - 1 - local
+        return local * p + rank, group * p + within % p
+
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    out = [Action("F", *unit(k, False)) for k in range(warmup)]
+    for i in range(total - warmup):
+        out += [Action("F", *unit(warmup + i, False)), Action("B", *unit(i, True))]
+    out += [Action("B", *unit(k, True)) for k in range(total - warmup, total)]
+    return out
+
+
+def build(schedule: str, rank: int, p: int, m: int, v: int = 1) -> list[Action]:
+    check_config(schedule, p, m, v)
+    if schedule == "gpipe":
+        return gpipe(rank, p, m)
+    if schedule == "1f1b":
+        return one_f_one_b(rank, p, m)
+    return interleaved(rank, p, m, v)
+
+
+def theoretical_bubble(p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a step when every chunk takes the same time and messages are free.
+
+    ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B; interleaving divides the bubble *time* by ``v``, which
+    as a fraction of the step is ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021, eq. in sec. 2.2)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def inflight_limit(schedule: str, rank: int, p: int, m: int, v: int = 1) -> int:
+    """Most (chunk, micro-batch) activation sets stage ``rank`` holds at once under ``schedule``."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(p - rank, m)
+    return min((p - rank - 1) * 2 + (v - 1) * p + 1, m * v)
+
+
+# ------------------------------------------------------------------------------------ message order
+
+
+def messages_from(actions: list[Action], sender: int, dst: int, p: int, num_chunks: int) -> list[tuple]:
+    """The messages ``sender`` sends to ``dst`` during one step, in the order it sends them.
+
+    ``("meta", b)`` precedes the first activation crossing boundary ``b`` (between chunk ``b`` and
+    ``b + 1``) in a step: the shape/dtype handshake. ``("act", b, mb)`` goes forward, ``("grad", b, mb)``
+    (the gradient of boundary ``b``'s activation) backward. Point-to-point messages between one pair of
+    ranks are matched first-in first-out, so a receiver that posts its receives in exactly this order
+    can never pair a buffer with the wrong message."""
+    out, announced = [], set()
+    for a in actions:
+        if a.kind == "F" and a.chunk + 1 < num_chunks and (a.chunk + 1) % p == dst:
+            if a.chunk not in announced:
+                announced.add(a.chunk)
+                out.append(("meta", a.chunk))
+            out.append(("act", a.chunk, a.mb))
+        elif a.kind == "B" and a.chunk > 0 and (a.chunk - 1) % p == dst:
+            out.append(("grad", a.chunk - 1, a.mb))
+    assert sender != dst
+    return out
+
+
+# ---------------------------------------------------------------------------------------- simulation
+
+
+def simulate(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0) -> dict:
+    """Run the action lists against each other with fixed compute times and free messages.
+
+    Returns per-stage busy/idle time and peak in-flight count; raises RuntimeError on a deadlock (no stage
+    can make progress). Used by tests to check every schedule is deadlock-free and meets its theory."""
+    lists = [build(schedule, r, p, m, v) for r in range(p)]
+    num_chunks = p * v
+    done: dict[Action, float] = {}
+    pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
+    alive, peak = [0] * p, [0] * p
+    while any(pos[r] < len(lists[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            if pos[r] >= len(lists[r]):
+                continue
+            a = lists[r][pos[r]]
+            if a.kind == "F":
+                dep = Action("F", a.chunk - 1, a.mb) if a.chunk > 0 else None
+            elif a.chunk + 1 < num_chunks:
+                dep = Action("B", a.chunk + 1, a.mb)
+            else:
+                dep = Action("F", a.chunk, a.mb)
+            if dep is not None and dep not in done:
+                continue
+            cost = (t_f if a.kind == "F" else t_b) / v
+            start = max(clock[r], done[dep] if dep is not None else 0.0)
+            clock[r] = start + cost
+            busy[r] += cost
+            done[a] = clock[r]
+            alive[r] += 1 if a.kind == "F" else -1
+            peak[r] = max(peak[r], alive[r])
+            pos[r] += 1
+            progressed = True
+        if not progressed:
+            stuck = {r: lists[r][pos[r]] for r in range(p) if pos[r] < len(lists[r])}
+            raise RuntimeError(f"schedule {schedule} (p={p}, m={m}, v={v}) deadlocks at {stuck}")
+    end = max(clock)
+    idle = [end - b for b in busy]
+    return {"step": end, "busy": busy, "idle": idle, "peak_inflight": peak,
+            "bubble": sum(idle) / (p * end)}

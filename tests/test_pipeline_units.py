@@ -1,0 +1,117 @@
+"""Pipeline pieces that need no processes (schedules, message order, partition, Hugging Face blocks),
+and Hugging Face parity on two stages."""
+
+import pytest
+import torch
+import torch.nn as nn
+from dist import run
+from models import TINY
+from test_pipeline import compare, gpt_data, reference, tiny_gpt, train_pipe
+
+import pyparallel
+from pyparallel.models.gpt import GPT, gpt_config
+from pyparallel.pipeline_parallel import PipelineParallel, schedules
+from pyparallel.pipeline_parallel.partition import balance, plan_chunks, to_blocks
+
+# -------------------------------------------------------------------------------- no processes needed
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+def test_schedules_are_deadlock_free_and_meet_theory(schedule, v):
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            sim = schedules.simulate(schedule, p, m, v)  # raises on a deadlock
+            assert sim["bubble"] == pytest.approx(schedules.theoretical_bubble(p, m, v))
+            for r in range(p):
+                limit = schedules.inflight_limit(schedule, r, p, m, v)
+                assert sim["peak_inflight"][r] == limit
+                assert limit <= {"gpipe": m, "1f1b": p}.get(schedule, limit)
+                actions = schedules.build(schedule, r, p, m, v)
+                assert sorted(actions) == sorted(
+                    schedules.Action(k, c, i) for k in "FB" for c in range(r, p * v, p) for i in range(m))
+
+
+def test_every_message_has_a_receiver_in_order():
+    """What a sender sends to its neighbour is, message for message, what the neighbour consumes."""
+    for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+        p, m = 4, 8
+        lists = [schedules.build(schedule, r, p, m, v) for r in range(p)]
+        for src in range(p):
+            for dst in range(p):
+                if src == dst:
+                    continue
+                msgs = schedules.messages_from(lists[src], src, dst, p, p * v)
+                data = sorted(k for k in msgs if k[0] != "meta")
+                needed = sorted([("act", a.chunk - 1, a.mb) for a in lists[dst]
+                                 if a.kind == "F" and a.chunk > 0 and (a.chunk - 1) % p == src]
+                                + [("grad", a.chunk, a.mb) for a in lists[dst]
+                                   if a.kind == "B" and a.chunk + 1 < p * v and (a.chunk + 1) % p == src])
+                assert data == needed
+
+
+def test_partition_balances_and_names_the_numbers():
+    assert balance([10, 5, 5, 5, 5, 10], 2) == [0, 3, 6]
+    assert balance([100, 1, 1, 1, 1, 1, 50], 3) == [0, 1, 6, 7]
+    blocks, loss = to_blocks(GPT(gpt_config("tiny", **{**TINY, "n_layer": 3})))
+    assert len(blocks) == 5 and loss is not None
+    assert plan_chunks(blocks, 2, 1) in ([0, 3, 5], [0, 2, 5])
+    with pytest.raises(ValueError, match="4 pipeline stages, but the model has only 3 blocks"):
+        plan_chunks(blocks[:3], 4, 1)
+    with pytest.raises(ValueError, match="num_microbatches \\(3\\) is smaller .* stages \\(4\\)"):
+        schedules.check_config("1f1b", 4, 3, 1)
+
+
+# ------------------------------------------------------------------------------------ Hugging Face
+
+
+def hf_model(kind):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                             tie_word_embeddings=True)
+        return tf.LlamaForCausalLM(cfg)
+    cfg = tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return tf.GPT2LMHeadModel(cfg)
+
+
+class WithLoss(nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, idx, targets):
+        from pyparallel.pipeline_parallel import token_cross_entropy
+
+        return token_cross_entropy(self.lm(idx).logits, targets)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hf_blocks_compose_to_the_model(kind):
+    model = hf_model(kind)
+    blocks, loss_fn = to_blocks(model)
+    assert len(blocks) == 5 and loss_fn is not None
+    ids = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(0))
+    x = ids
+    for b in blocks:
+        x = b(x)
+    torch.testing.assert_close(x, model(ids).logits, rtol=0, atol=0)
+
+
+def hf_body(kind, schedule):
+    mesh = pyparallel.init(pp=2)
+    cfg, _ = tiny_gpt(3)
+    data = gpt_data(cfg, seqs=[12, 8, 16])
+    ref = reference(lambda: WithLoss(hf_model(kind)), data)
+    model = WithLoss(hf_model(kind))
+    pipe = PipelineParallel(model.lm, mesh, schedule=schedule, num_microbatches=4)
+    compare(model, pipe, train_pipe(pipe, data), ref)
+    return len(pipe._tied)
+
+
+def test_hf_parity():
+    assert run(hf_body, 2, "llama", "1f1b") == [1, 1]  # tied embeddings across the two stages
+    assert run(hf_body, 2, "gpt2", "gpipe") == [1, 1]
