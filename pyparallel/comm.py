@@ -87,6 +87,11 @@ class Group:
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
+    def __deepcopy__(self, memo):
+        # A handle on a live process group (which cannot be copied): a deep-copied module, e.g. the meta
+        # copy the pipeline engine makes of tensor-parallel layers, talks over the same group.
+        return self
+
     def __repr__(self) -> str:
         return f"Group({self.name!r}, ranks={list(self.ranks)})"
 
@@ -115,7 +120,9 @@ def _wire_factor(op: str, n: int) -> float:
         return 2.0 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
-    return 1.0  # broadcast, send, recv
+    if op == "recv":
+        return 0.0  # a received message is its sender's wire traffic; count it once, there
+    return 1.0  # broadcast, send
 
 
 def _account(op: str, group: Group, payload_bytes: int) -> None:
