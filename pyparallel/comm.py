@@ -95,6 +95,14 @@ class Group:
     def __repr__(self) -> str:
         return f"Group({self.name!r}, ranks={list(self.ranks)})"
 
+    # A group names a communicator shared by every module that uses it: copying a module (deepcopy for
+    # meta-device shape inference, EMA copies) must share the group, not try to clone a process group.
+    def __copy__(self) -> Group:
+        return self
+
+    def __deepcopy__(self, memo) -> Group:
+        return self
+
 
 def new_group(ranks, name: str, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> Group | None:
     """Create a process group over ``ranks`` (a collective over the world: every rank must call it, in the
