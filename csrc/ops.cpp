@@ -5,6 +5,8 @@
 #include <torch/library.h>
 #else
 #include <torch/extension.h>
+
+#include "offload/bindings.h"  // --- optimizers ---
 #endif
 
 TORCH_LIBRARY(pyparallel, m) {
@@ -22,6 +24,15 @@ TORCH_LIBRARY(pyparallel, m) {
   m.def("gelu_linear_backward(Tensor grad_out, Tensor z, Tensor? bias, Tensor weight, str approximate, "
         "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // --- end tensor parallel ---
+  // --- optimizers ---
+  // One fused Adam/AdamW step over lists of tensors (torch.optim.Adam's math; CPU: csrc/cpu/adam.cpp,
+  // CUDA: csrc/cuda/adam.cu). max_exp_avg_sqs is used only with amsgrad (else pass []); lowp_out, when not
+  // empty, receives a bf16/fp16 copy of each updated param in the same pass. step counts from 1.
+  m.def(
+      "adam_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] lowp_out, int step, float lr, float beta1, float beta2, "
+      "float eps, float weight_decay, bool adamw, bool maximize, bool amsgrad) -> ()");
+  // --- end optimizers ---
 }
 
 #ifndef PYPARALLEL_NO_PYTHON
@@ -34,5 +45,6 @@ static constexpr bool kWithCuda = false;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pyparallel compiled kernels (ops are registered under torch.ops.pyparallel)";
   m.attr("with_cuda") = kWithCuda;
+  pyparallel::offload::bind_optimizers(m);  // --- optimizers ---: SIMD level, OffloadCopyEngine
 }
 #endif  // PYPARALLEL_NO_PYTHON

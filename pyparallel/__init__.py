@@ -24,15 +24,20 @@ _EXPORTS = {
     "CollectiveError": "pyparallel.comm",
     "CollectiveTimeoutError": "pyparallel.comm",
     "CollectiveMismatchError": "pyparallel.comm",
+    "parallelize": "pyparallel.parallel",
+    "ParallelModel": "pyparallel.parallel",
+    "MixedPrecision": "pyparallel.amp",
 }
 _SUBMODULES = {
     "comm", "device", "mesh", "checkpoint", "memory", "amp", "zero", "optim", "tensor_parallel",
     "pipeline_parallel", "planner", "bench", "models", "data_parallel", "data",
+    "parallel", "combined", "train",
 }
 
 __all__ = ["LaunchError", "launch", *sorted(_EXPORTS), *sorted(_SUBMODULES)]
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
+    from pyparallel.amp import MixedPrecision  # noqa: F401
     from pyparallel.comm import (  # noqa: F401
         CollectiveError,
         CollectiveMismatchError,
@@ -42,6 +47,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
     )
     from pyparallel.data_parallel.ddp import DataParallel  # noqa: F401
     from pyparallel.mesh import ParallelMesh, init  # noqa: F401
+    from pyparallel.parallel import ParallelModel, parallelize  # noqa: F401
 
 
 def __getattr__(name: str):

@@ -96,3 +96,195 @@ if HAS_EXT:
     @torch.library.register_fake("pyparallel::unflatten_from")
     def _unflatten_from_fake(flat, outs):
         return None
+
+
+# ------------------------------------------------------- tensor parallel: fused GeLU -> row matmul
+# y = gelu(z + bias) @ weight.T, the second half of a Megatron MLP (Shoeybi et al. 2019) with the
+# row-parallel weight reading the column-parallel pre-activation z. Kernels: csrc/cpu/gelu_linear.cpp,
+# csrc/cuda/gelu_linear.cu. Autograd saves z (and the parameters) only and recomputes gelu in backward.
+
+_GELU_FORMS = ("none", "tanh")
+
+
+def gelu_linear_reference(z, bias, weight, approximate="none"):
+    """The specification: ``F.gelu(z + bias, approximate) @ weight.T`` (materializes gelu(z + bias))."""
+    zb = z if bias is None else z + bias
+    return torch.nn.functional.gelu(zb, approximate=approximate) @ weight.t()
+
+
+def gelu_linear_backward_reference(grad_out, z, bias, weight, approximate, output_mask):
+    """Plain-torch twin of the backward kernel: (grad_z, grad_bias, grad_weight) from z alone."""
+    zb = z if bias is None else z + bias
+    act = torch.nn.functional.gelu(zb, approximate=approximate)
+    gy = grad_out.reshape(-1, weight.shape[0])
+    empty = z.new_empty(0)
+    dw = gy.t() @ act.reshape(-1, z.shape[-1]) if output_mask[2] else empty  # [N, M] @ [M, K]
+    dz = db = empty
+    if output_mask[0] or output_mask[1]:
+        dz = torch.ops.aten.gelu_backward(grad_out @ weight, zb, approximate=approximate)  # [.., N] @ [N, K]
+        db = dz.reshape(-1, z.shape[-1]).sum(0) if output_mask[1] and bias is not None else empty
+    return (dz if output_mask[0] else empty), db, dw
+
+
+class _GeluLinearRecompute(torch.autograd.Function):
+    """Fallback with the kernel's memory behaviour: saves z, recomputes gelu(z + bias) in backward."""
+
+    @staticmethod
+    def forward(ctx, z, bias, weight, approximate):
+        ctx.save_for_backward(z, bias, weight)
+        ctx.approximate = approximate
+        return gelu_linear_reference(z, bias, weight, approximate)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        z, bias, weight = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1] and bias is not None, ctx.needs_input_grad[2]]
+        dz, db, dw = gelu_linear_backward_reference(grad_out, z, bias, weight, ctx.approximate, mask)
+        return (dz if mask[0] else None), (db if mask[1] else None), (dw if mask[2] else None), None
+
+
+def _gelu_linear_kernel(device: torch.device) -> bool:
+    try:
+        return has_kernel("gelu_linear", device) and has_kernel("gelu_linear_backward", device)
+    except RuntimeError:  # an extension built before these ops existed
+        return False
+
+
+def gelu_linear(z: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor,
+                approximate: str = "none") -> torch.Tensor:
+    """``gelu(z + bias) @ weight.T`` without materializing gelu(z + bias); differentiable.
+
+    z [..., K], bias [K] or None, weight [N, K] -> [..., N]. ``approximate`` is "none" (erf) or "tanh",
+    as in ``torch.nn.functional.gelu``. Backward keeps only z and recomputes the activation."""
+    if approximate not in _GELU_FORMS:
+        raise ValueError(f"gelu_linear: approximate must be one of {_GELU_FORMS}, got {approximate!r}")
+    if weight.dim() != 2 or z.shape[-1] != weight.shape[1]:
+        raise ValueError(f"gelu_linear: z has shape {tuple(z.shape)} and weight {tuple(weight.shape)}; "
+                         f"weight must be [out_features, {z.shape[-1]}]")
+    if bias is not None and tuple(bias.shape) != (z.shape[-1],):
+        raise ValueError(f"gelu_linear: bias has shape {tuple(bias.shape)}, expected ({z.shape[-1]},)")
+    if _gelu_linear_kernel(z.device):
+        return torch.ops.pyparallel.gelu_linear(z, bias, weight, approximate)
+    _warn_fallback("gelu_linear")
+    return _GeluLinearRecompute.apply(z, bias, weight, approximate)
+
+
+def _gelu_linear_setup(ctx, inputs, output):
+    z, bias, weight, approximate = inputs
+    ctx.save_for_backward(z, bias, weight)
+    ctx.approximate = approximate
+
+
+def _gelu_linear_backward(ctx, grad_out):
+    z, bias, weight = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1] and bias is not None, ctx.needs_input_grad[2]]
+    dz, db, dw = torch.ops.pyparallel.gelu_linear_backward(grad_out.contiguous(), z, bias, weight,
+                                                           ctx.approximate, mask)
+    return (dz if mask[0] else None), (db if mask[1] else None), (dw if mask[2] else None), None
+
+
+if HAS_EXT and hasattr(torch.ops.pyparallel, "gelu_linear"):
+
+    @torch.library.register_fake("pyparallel::gelu_linear")
+    def _gelu_linear_fake(z, bias, weight, approximate="none"):
+        return z.new_empty((*z.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("pyparallel::gelu_linear_backward")
+    def _gelu_linear_backward_fake(grad_out, z, bias, weight, approximate, output_mask):
+        def maybe(flag, shape):
+            return z.new_empty(shape if flag else (0,))
+
+        has_bias = bias is not None
+        return (maybe(output_mask[0], z.shape), maybe(output_mask[1] and has_bias, (z.shape[-1],)),
+                maybe(output_mask[2], tuple(weight.shape)))
+
+    torch.library.register_autograd("pyparallel::gelu_linear", _gelu_linear_backward,
+                                    setup_context=_gelu_linear_setup)
+
+
+# ------------------------------------------------------- optimizers: fused Adam / AdamW
+# One pass per element over param, grad, m, v (Adam: Kingma & Ba 2015; decoupled weight decay: Loshchilov &
+# Hutter 2019), optionally writing a bf16/fp16 copy of the updated param in the same pass (the copy
+# ZeRO-Offload ships back to the GPU, Ren et al. 2021). Kernels: csrc/cpu/adam.cpp (SIMD chosen at run
+# time, all threads), csrc/cuda/adam.cu. Python optimizer: pyparallel/optim/cpu_adam.py.
+
+
+def adam_step_reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lowp_out, step, lr, beta1, beta2,
+                        eps, weight_decay, adamw, maximize, amsgrad):
+    """The specification: torch.optim.Adam's single-tensor update (``_single_tensor_adam``), in fp32.
+
+    Low-precision params are updated through an fp32 copy and rounded back; ``lowp_out[i]`` (when given)
+    receives the updated param rounded to its dtype."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    step_size = lr / bias_correction1
+    for i, param in enumerate(params):
+        p = param if param.dtype == torch.float32 else param.float()
+        grad = grads[i].float()
+        grad = -grad if maximize else grad
+        if weight_decay != 0:
+            if adamw:
+                p.mul_(1 - lr * weight_decay)
+            else:
+                grad = grad.add(p, alpha=weight_decay)
+        exp_avgs[i].lerp_(grad, 1 - beta1)
+        exp_avg_sqs[i].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        if amsgrad:
+            torch.maximum(max_exp_avg_sqs[i], exp_avg_sqs[i], out=max_exp_avg_sqs[i])
+            denom = (max_exp_avg_sqs[i].sqrt() / bias_correction2_sqrt).add_(eps)
+        else:
+            denom = (exp_avg_sqs[i].sqrt() / bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(exp_avgs[i], denom, value=-step_size)
+        if p is not param:
+            param.copy_(p)
+        if lowp_out:
+            lowp_out[i].copy_(p)
+
+
+def _adam_kernel(device: torch.device) -> bool:
+    try:
+        return has_kernel("adam_step", device)
+    except RuntimeError:  # an extension built before this op existed
+        return False
+
+
+def adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+              exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor] | None = None,
+              lowp_out: list[torch.Tensor] | None = None, *, step: int, lr: float, beta1: float, beta2: float,
+              eps: float, weight_decay: float = 0.0, adamw: bool = True, maximize: bool = False,
+              amsgrad: bool = False) -> None:
+    """One Adam/AdamW step over lists of tensors, in place (``step`` counts from 1).
+
+    params fp32 (bf16/fp16 also on CUDA), grads fp32/bf16/fp16, states fp32, all contiguous and on one
+    device. ``max_exp_avg_sqs`` is needed with ``amsgrad``; ``lowp_out`` (bf16/fp16, one per param) receives
+    the updated params rounded, written in the same pass."""
+    max_exp_avg_sqs = list(max_exp_avg_sqs or [])
+    lowp_out = list(lowp_out or [])
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
+        raise ValueError(f"adam_step: {n} params, {len(grads)} grads, {len(exp_avgs)} exp_avgs and "
+                         f"{len(exp_avg_sqs)} exp_avg_sqs; the lists must have one entry per param")
+    if amsgrad and len(max_exp_avg_sqs) != n:
+        raise ValueError(f"adam_step: amsgrad needs {n} max_exp_avg_sqs, got {len(max_exp_avg_sqs)}")
+    if lowp_out and len(lowp_out) != n:
+        raise ValueError(f"adam_step: lowp_out holds {len(lowp_out)} tensors for {n} params")
+    if step < 1:
+        raise ValueError(f"adam_step: step counts from 1, got {step}")
+    if n == 0:
+        return
+    args = (int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
+            bool(maximize), bool(amsgrad))
+    if _adam_kernel(params[0].device):
+        torch.ops.pyparallel.adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+                                       max_exp_avg_sqs, lowp_out, *args)
+    else:
+        _warn_fallback("adam_step")
+        adam_step_reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lowp_out, *args)
+
+
+if HAS_EXT and hasattr(torch.ops.pyparallel, "adam_step"):
+
+    @torch.library.register_fake("pyparallel::adam_step")
+    def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lowp_out, step, lr, beta1, beta2,
+                        eps, weight_decay, adamw, maximize, amsgrad):
+        return None

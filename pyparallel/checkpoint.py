@@ -57,11 +57,19 @@ class Piece:
     # Whether this rank writes the piece. None: replicated on every rank, written by global rank 0.
     # Sharded strategies set True on exactly one holder of each piece (e.g. DP rank 0 of a TP shard).
     owner: bool | None = None
+    # The box is held with its dimensions permuted (``box.permute(perm)``) before flattening: a TP shard of
+    # a transformers Conv1D weight ([in, out] globally) is held as [out/t, in], the transposed box.
+    perm: tuple[int, ...] | None = None
 
     def __post_init__(self):
         self.global_shape = tuple(int(x) for x in self.global_shape)
         self.box_offsets = tuple(int(x) for x in self.box_offsets)
         self.box_shape = tuple(int(x) for x in self.box_shape)
+        if self.perm is not None:
+            self.perm = tuple(int(x) for x in self.perm)
+            if sorted(self.perm) != list(range(len(self.box_shape))):
+                raise ValueError(f"checkpoint piece {self.name}: perm {self.perm} is not a permutation of the "
+                                 f"box's {len(self.box_shape)} dimensions")
         if self.flat_len < 0:
             self.flat_len = _numel(self.box_shape) - self.flat_start
 
@@ -78,38 +86,69 @@ def _numel(shape) -> int:
     return n
 
 
-# ------------------------------------------------------------------------------- plain modules/optims
+# ------------------------------------------------------------------------------------ who holds what
+# A wrapper that knows its shards says so itself (``checkpoint_pieces`` / ``load_checkpoint_pieces``:
+# ``pyparallel.parallelize``'s model and optimizer). ZeRO's wrappers are described by zero/pieces.py;
+# every other module (plain, DataParallel, tensor-parallelized, a PipelineParallel stage) and torch
+# optimizer by combined/modules.py.
 
 
-def _module_pieces(model: torch.nn.Module) -> list[tuple[Piece, torch.Tensor]]:
+def _zero_model(model):
+    from pyparallel.zero.module import ZeroModule
+
+    return model if isinstance(model, ZeroModule) else None
+
+
+def _module_pieces(model) -> list[tuple[Piece, torch.Tensor]]:
     provider = getattr(model, "checkpoint_pieces", None)
     if provider is not None:
         return provider()
-    inner = getattr(model, "module", model)  # DataParallel and friends wrap a whole replica
-    out = []
-    seen = set()
-    for name, t in list(inner.named_parameters()) + list(inner.named_buffers()):
-        if id(t) in seen:  # tied weights: stored once, under the first name
-            continue
-        seen.add(id(t))
-        out.append((Piece.whole("model/" + name, t.shape), t))
-    return out
+    if _zero_model(model) is not None:
+        from pyparallel.zero import pieces as zero_pieces
+
+        return zero_pieces.model_pieces(model)
+    from pyparallel.combined import modules
+
+    return modules.module_pieces(model)
 
 
 def _optimizer_pieces(model, optimizer) -> list[tuple[Piece, torch.Tensor]]:
     provider = getattr(optimizer, "checkpoint_pieces", None)
     if provider is not None:
         return provider()
-    inner = getattr(model, "module", model)
-    names = {}
-    for n, p in inner.named_parameters():
-        names.setdefault(id(p), n)
-    out = []
-    for p, state in optimizer.state.items():
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                out.append((Piece.whole(f"optim/{names[id(p)]}/{key}", value.shape), value))
-    return out
+    if _zero_model(model) is not None:
+        from pyparallel.zero import pieces as zero_pieces
+
+        return zero_pieces.optimizer_pieces(model, optimizer)
+    from pyparallel.combined import modules
+
+    return modules.optimizer_pieces(model, optimizer)
+
+
+def _load_model(model, reader) -> None:
+    loader = getattr(model, "load_checkpoint_pieces", None)
+    if loader is not None:
+        return loader(reader, None)
+    if _zero_model(model) is not None:
+        from pyparallel.zero import pieces as zero_pieces
+
+        return zero_pieces.load_model(model, reader)
+    from pyparallel.combined import modules
+
+    return modules.load_module(model, reader)
+
+
+def _load_optimizer(model, optimizer, reader, manifest) -> None:
+    loader = getattr(optimizer, "load_checkpoint_pieces", None)
+    if loader is not None:
+        return loader(reader, manifest)
+    if _zero_model(model) is not None:
+        from pyparallel.zero import pieces as zero_pieces
+
+        return zero_pieces.load_optimizer(model, optimizer, reader, manifest)
+    from pyparallel.combined import modules
+
+    return modules.load_torch_optimizer(model, optimizer, reader, manifest)
 
 
 def _optimizer_groups(optimizer) -> list[dict]:
@@ -162,7 +201,11 @@ def save(root: str, model, optimizer=None, *, step: int, extra: dict | None = No
 
     Returns the checkpoint folder. ``extra`` (JSON-serialisable) comes back from :func:`load`."""
     rank, world = _rank_world()
+    mesh = mesh if mesh is not None else getattr(model, "mesh", None)
     group = mesh.world_group if mesh is not None else None
+    if group is None and world > 1:
+        raise ValueError(f"checkpoint.save on {world} processes needs the mesh (mesh=...), so that every "
+                         f"rank's pieces reach the manifest")
     final = os.path.join(root, f"step-{step:08d}")
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
     if rank == 0:
@@ -281,6 +324,48 @@ def read_manifest(folder: str, verify: bool = True) -> dict:
     return manifest
 
 
+def _box_view(full: torch.Tensor, offsets, shape, perm) -> torch.Tensor:
+    """The view of ``full`` that a piece's box covers, permuted as the piece holds it."""
+    box = full
+    for d, (o, s) in enumerate(zip(offsets, shape)):
+        box = box.narrow(d, o, s)
+    return box.permute(*perm) if perm else box
+
+
+def _place(out: torch.Tensor, rec: dict, data: torch.Tensor) -> None:
+    """Write one saved piece's flat ``data`` into the global tensor ``out``."""
+    box = _box_view(out, rec["box_offsets"], rec["box_shape"], rec.get("perm"))
+    tmp = box.contiguous().reshape(-1)
+    tmp[rec["flat_start"]:rec["flat_start"] + rec["flat_len"]] = data.reshape(-1)
+    box.copy_(tmp.view(box.shape))
+
+
+def _assemble(name: str, items) -> torch.Tensor:
+    """The global tensor ``name`` from ``(record, flat data)`` pairs; CheckpointError when pieces are missing."""
+    items = list(items)
+    rec0 = items[0][0]
+    shape = tuple(rec0["global_shape"])
+    dtype = getattr(torch, rec0["dtype"].replace("torch.", ""))
+    out = torch.empty(shape, dtype=dtype)
+    covered = 0
+    for rec, data in items:
+        _place(out, rec, data)
+        covered += rec["flat_len"]
+    if covered < out.numel():
+        raise CheckpointError(f"checkpoint tensor {name!r} is only partly covered ({covered} of "
+                              f"{out.numel()} elements)")
+    return out
+
+
+def _cut(full: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The data ``piece`` describes, cut from the global tensor ``full`` (1-D, flat_len elements)."""
+    if tuple(full.shape) != piece.global_shape:
+        raise CheckpointError(f"{piece.name}: saved with shape {tuple(full.shape)}, the model now has "
+                              f"{piece.global_shape}")
+    box = _box_view(full, piece.box_offsets, piece.box_shape, piece.perm)
+    return box.reshape(-1)[piece.flat_start:piece.flat_start + piece.flat_len]
+
+
 class _Reader:
     """Assembles global tensors (one at a time) from the saved pieces."""
 
@@ -294,42 +379,40 @@ class _Reader:
     def names(self):
         return self.by_name.keys()
 
+    def has(self, name: str) -> bool:
+        return name in self.by_name
+
     def full(self, name: str) -> torch.Tensor:
         if self._cache is not None and self._cache[0] == name:
             return self._cache[1]
         recs = self.by_name.get(name)
         if not recs:
             raise CheckpointError(f"checkpoint has no tensor {name!r}")
-        shape = tuple(recs[0]["global_shape"])
-        dtype = getattr(torch, recs[0]["dtype"].replace("torch.", ""))
-        out = torch.empty(shape, dtype=dtype)
-        covered = 0
+        items = []
         for rec in recs:
             with safe_open(os.path.join(self.folder, rec["file"]), framework="pt") as f:
-                data = f.get_tensor(rec["key"])
-            box = out
-            for d, (o, s) in enumerate(zip(rec["box_offsets"], rec["box_shape"])):
-                box = box.narrow(d, o, s)
-            tmp = box.contiguous().reshape(-1)
-            tmp[rec["flat_start"]:rec["flat_start"] + rec["flat_len"]] = data
-            box.copy_(tmp.view(box.shape))
-            covered += rec["flat_len"]
-        if covered < out.numel():
-            raise CheckpointError(f"checkpoint tensor {name!r} is only partly covered ({covered} of "
-                                  f"{out.numel()} elements)")
+                items.append((rec, f.get_tensor(rec["key"])))
+        out = _assemble(name, items)
         self._cache = (name, out)
         return out
 
     def piece(self, piece: Piece) -> torch.Tensor:
         """The data ``piece`` describes, cut from the saved global tensor (1-D, flat_len elements)."""
-        full = self.full(piece.name)
-        if tuple(full.shape) != piece.global_shape:
-            raise CheckpointError(f"{piece.name}: saved with shape {tuple(full.shape)}, the model now has "
-                                  f"{piece.global_shape}")
-        box = full
-        for d, (o, s) in enumerate(zip(piece.box_offsets, piece.box_shape)):
-            box = box.narrow(d, o, s)
-        return box.reshape(-1)[piece.flat_start:piece.flat_start + piece.flat_len]
+        return _cut(self.full(piece.name), piece)
+
+
+def gather_full(pieces: list[tuple[Piece, torch.Tensor]], group, prefix: str = "model/") -> dict[str, torch.Tensor]:
+    """Every global tensor whose name starts with ``prefix``, assembled on every rank of ``group`` from the
+    pieces each rank owns (a collective; for small models, tests and exports: it moves everything through
+    ``all_gather_object``). Keys lose the prefix."""
+    mine = [({**asdict(p), "dtype": str(t.dtype)}, t.detach().reshape(-1).to("cpu").clone())
+            for p, t in pieces if p.owner and p.name.startswith(prefix)]
+    everyone = comm.all_gather_object(mine, group) if group is not None else [mine]
+    by_name: dict[str, list] = {}
+    for items in everyone:
+        for rec, data in items:
+            by_name.setdefault(rec["name"], []).append((rec, data))
+    return {n[len(prefix):]: _assemble(n, items) for n, items in sorted(by_name.items())}
 
 
 @torch.no_grad()
@@ -339,36 +422,18 @@ def load(root: str, model, optimizer=None, *, mesh=None, verify: bool = True) ->
     folder = resolve(root)
     manifest = read_manifest(folder, verify=verify)
     reader = _Reader(folder, manifest)
-    for piece, tensor in _module_pieces(model):
-        tensor.copy_(reader.piece(piece).view(tensor.shape))  # copy_ casts to the tensor's dtype
+    _load_model(model, reader)
     if optimizer is not None:
-        loader = getattr(optimizer, "load_checkpoint_pieces", None)
-        if loader is not None:
-            loader(reader, manifest)
-        else:
-            _load_torch_optimizer(model, optimizer, reader, manifest)
+        _load_optimizer(model, optimizer, reader, manifest)
     return {"step": manifest["step"], "extra": manifest["extra"], "layout": manifest["layout"]}
 
 
-def _load_torch_optimizer(model, optimizer, reader: _Reader, manifest: dict) -> None:
-    inner = getattr(model, "module", model)
-    names = {}
-    for n, p in inner.named_parameters():
-        names.setdefault(id(p), n)
-    state = {}
-    index = 0
-    groups = []
-    for g, saved in zip(optimizer.param_groups, manifest.get("optimizer_groups") or []):
-        ids = []
-        for p in g["params"]:
-            prefix = f"optim/{names[id(p)]}/"
-            entry = {k[len(prefix):]: reader.full(k).clone() for k in reader.names() if k.startswith(prefix)}
-            if entry:
-                state[index] = entry
-            ids.append(index)
-            index += 1
-        groups.append({**g, **saved, "params": ids})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+def read_tensors(root: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every global tensor of checkpoint ``root`` whose name starts with ``prefix`` (model weights under
+    ``model/``, optimizer state under ``optim/``), assembled from the pieces of whatever layout saved it."""
+    folder = resolve(root)
+    reader = _Reader(folder, read_manifest(folder))
+    return {n: reader.full(n).clone() for n in sorted(reader.names()) if n.startswith(prefix)}
 
 
 def export_consolidated(root: str, out_file: str, prefix: str = "model/") -> list[str]:

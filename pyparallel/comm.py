@@ -87,11 +87,6 @@ class Group:
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
-    def __deepcopy__(self, memo):
-        # A handle on a live process group (which cannot be copied): a deep-copied module, e.g. the meta
-        # copy the pipeline engine makes of tensor-parallel layers, talks over the same group.
-        return self
-
     def __repr__(self) -> str:
         return f"Group({self.name!r}, ranks={list(self.ranks)})"
 
@@ -369,6 +364,40 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Group, op:
 
     if group.size == 1:
         output.view(-1).copy_(tensor.reshape(-1))
+    nbytes = tensor.numel() * tensor.element_size()
+    return _run("reduce_scatter", group, nbytes, issue, async_op, fp_tensor=tensor)
+
+
+def reduce_scatter_in_place(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False):
+    """Reduce-scatter whose input the caller gives up: the reduced slice r is left in slice r of ``tensor``
+    (N equal slices); the other slices are undefined afterwards. Accounted as a reduce-scatter.
+
+    NCCL reduce-scatters in place. gloo's reduce-scatter clones its input, all-reduces the clone and copies
+    one chunk out; here it all-reduces ``tensor`` itself, which skips both copies (ZeRO's gradient buckets
+    are scratch once reduced)."""
+    n = group.size
+    if tensor.numel() % n:
+        raise ValueError(f"reduce_scatter_in_place on group '{group.name}': {tensor.numel()} elements do not "
+                         f"split into {n} equal slices")
+    red = _op(op)
+    flat = tensor.view(-1)
+    mine = flat.view(n, -1)[group.rank]
+
+    def issue():
+        if group.backend == "gloo":
+            if op != "avg":
+                return dist.all_reduce(flat, red, group=group.pg, async_op=True), None
+            work = _try_native("avg", group, lambda: dist.all_reduce(flat, red, group=group.pg, async_op=True))
+            if work is not None:
+                return work, None
+            return dist.all_reduce(flat, _op("sum"), group=group.pg, async_op=True), lambda: mine.div_(n)
+        work = _try_native("reduce_scatter_" + op, group,
+                           lambda: _reduce_scatter_single()(mine, flat, op=red, group=group.pg, async_op=True))
+        if work is not None:
+            return work, None
+        work = _reduce_scatter_single()(mine, flat, op=_op("sum"), group=group.pg, async_op=True)
+        return work, lambda: mine.div_(n)
+
     nbytes = tensor.numel() * tensor.element_size()
     return _run("reduce_scatter", group, nbytes, issue, async_op, fp_tensor=tensor)
 

@@ -16,6 +16,11 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def cuda_device_count() -> int:
+    """GPUs this process can see (0 without CUDA)."""
+    return torch.cuda.device_count() if cuda_available() else 0
+
+
 def default_backend() -> str:
     """NCCL when this process can use a GPU, gloo otherwise."""
     return "nccl" if cuda_available() and torch.distributed.is_nccl_available() else "gloo"

@@ -138,6 +138,22 @@ def _env_timeout() -> float:
     return float(os.environ.get("PYPARALLEL_TIMEOUT", comm.DEFAULT_TIMEOUT_S))
 
 
+def _init_from_env(backend: str, timeout: datetime.timedelta) -> None:
+    """``init_process_group`` from torchrun's / launch's environment.
+
+    Under torchrun, on a store prefixed by the restart attempt: the elastic agent keeps one store across
+    ``--max-restarts`` attempts, so a restarted attempt's process groups could read the addresses that the
+    previous attempt's dead workers published under the same keys and fail with "connectFullMesh ...
+    Connection refused". A per-attempt prefix gives every attempt fresh keys."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"/pyparallel/attempt_{attempt}", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def init(dp: int | None = None, tp: int = 1, pp: int = 1, *, backend: str | None = None,
          timeout_s: float | None = None) -> ParallelMesh:
     """Initialise torch.distributed from the environment (torchrun, ``pyparallel.launch``, or nothing for
@@ -158,7 +174,7 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, *, backend: str | None
         if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
             if backend == "nccl":
                 device.device_for_local_rank()
-            dist.init_process_group(backend=backend, timeout=timeout)
+            _init_from_env(backend, timeout)
         else:  # a plain `python script.py`: a world of one
             store = dist.HashStore()
             dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)

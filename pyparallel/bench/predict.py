@@ -1,0 +1,82 @@
+"""What the planner predicts for one rank of a bench row, called with what the bench really trains.
+
+The bench trains fp32 weights with AdamW (16 bytes per parameter: 4 weights + 4 grads + 8 for m and v,
+no master copy), so the planner is asked for dtype "fp32" and optimizer "adamw"; asking for its bf16
+default would predict the same 16 bytes per parameter but half the activations and traffic. The model is
+the planner's :class:`~pyparallel.planner.ModelSpec` of the built-in GPT's shape; a rank's parameters are
+its pipeline stage's share (embeddings on the first, final norm and a copy of the tied head on the last)
+divided by tp, as in the planner's search.
+"""
+
+from __future__ import annotations
+
+from pyparallel.planner import ModelSpec, bubble_fraction, model_state_bytes, traffic
+from pyparallel.planner import memory as pmem
+from pyparallel.planner.search import Problem, SearchOptions, evaluate, stage_layers, stage_params
+from pyparallel.planner.specs import TrainSpec, resolve_cluster
+
+DTYPE = "fp32"
+OPTIMIZER = "adamw"
+BUCKET_MB = 25.0  # pyparallel.DataParallel's default, as the planner assumes
+# The GPT's attention is F.scaled_dot_product_attention, whose fused kernels (flash attention on CPU,
+# flash or memory-efficient on GPU) keep no s×s scores, softmax or dropout mask for backward: they
+# recompute them. That is the planner's "selective" case (Korthikanti et al. 2022, section 4.2), which
+# drops exactly the 5·a·s/h term; asking for "none" would predict the scores of an unfused attention.
+ATTENTION_AS = "selective"
+
+
+def model_spec(cfg) -> ModelSpec:
+    """The planner's view of a ``GPTConfig`` (the key projection's missing bias is n_layer·n_embd
+    parameters the planner counts in excess: under 0.1% for the bench models)."""
+    return ModelSpec(name="gpt", layers=cfg.n_layer, hidden=cfg.n_embd, heads=cfg.n_head, vocab=cfg.vocab_size,
+                     kv_heads=cfg.n_kv_head, ffn=cfg.ffn_mult * cfg.n_embd, positions=cfg.block_size,
+                     tied=cfg.tie_embeddings, bias=cfg.bias, default_seq_len=cfg.block_size)
+
+
+def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int, on_cpu: bool) -> dict:
+    """Planner figures for the rank on pipeline stage ``stage`` of ``spec``.
+
+    ``model_state_bytes`` counts what lives in the memory the bench measures: on a CPU run that includes
+    what ZeRO-Offload moves to host memory (the planner's ``cpu`` part), on a GPU run it does not.
+    ``peak_bytes`` is model states + activations + communication buffers (the planner's per-GPU total).
+    """
+    model = model_spec(cfg)
+    dp, tp, pp = spec.dp, spec.tp, spec.pp
+    m = microbatches if pp > 1 else 1
+    micro = batch // dp // m
+    v = spec.virtual if spec.schedule == "interleaved" else 1
+    layers = stage_layers(model.layers, pp, stage)
+    params_rank = stage_params(model, pp, stage) / tp
+    states = model_state_bytes(params_rank, spec.planner_strategy, dp, DTYPE, OPTIMIZER, spec.offload)
+    state_total = states["total"] + (states["cpu"] if on_cpu else 0)
+    act = pmem.stage_activation_bytes(model, seq, micro, tp, pp, stage, layers, m, spec.schedule, v,
+                                      recompute=ATTENTION_AS, dtype=DTYPE)
+    p2p = micro * seq * model.hidden * pmem.DTYPE_BYTES[DTYPE]
+    buffers = pmem.buffer_bytes(params_rank, model.layer_params() / tp, spec.zero, dp, DTYPE, BUCKET_MB, p2p, pp)
+    phases = traffic.dp_phases(params_rank, spec.zero, dp, DTYPE, m, BUCKET_MB * 2**20)
+    phases += traffic.tp_phase(layers, seq, micro, model.hidden, tp, m, DTYPE)
+    phases += traffic.pp_phase(seq, micro, model.hidden, pp, m, tp, dtype=DTYPE, virtual_stages=v)
+    comm = traffic.summarize(phases)
+    return {
+        "model_state_bytes": int(state_total),
+        "activation_bytes": int(act["total"]),
+        "buffer_bytes": int(buffers),
+        "peak_bytes": int(state_total + act["total"] + buffers),
+        "comm_bytes_per_step": int(round(comm["total"])),
+        "comm_by_axis": {k: int(round(comm[k])) for k in ("dp", "tp", "pp")},
+        "bubble_fraction": bubble_fraction(pp, m, spec.schedule, v),
+        "params_rank": params_rank,
+    }
+
+
+def predict_step_time(spec, cfg, batch: int, seq: int, microbatches: int, cluster: str) -> float:
+    """The planner's step time for this layout on the ``cluster`` preset ("cpu": gloo processes, 0.1
+    TFLOP/s each at efficiency 0.5): compute over the processes, stretched by the bubble, plus the traffic
+    it cannot hide (docs/planner.md, "Time")."""
+    m = microbatches if spec.pp > 1 else 1
+    v = spec.virtual if spec.schedule == "interleaved" else 1
+    train = TrainSpec(seq_len=seq, global_batch=batch, micro_batch=batch // spec.dp // m, dtype=DTYPE,
+                      optimizer=OPTIMIZER, recompute=ATTENTION_AS, schedule=spec.schedule, virtual_stages=v)
+    problem = Problem(model_spec(cfg), train, resolve_cluster(cluster), SearchOptions(gpus=spec.world))
+    cand = evaluate(problem, spec.dp, spec.tp, spec.pp, spec.zero, spec.offload, train.micro_batch, m)
+    return cand.step_time_s

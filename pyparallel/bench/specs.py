@@ -1,0 +1,178 @@
+"""Strategy names for ``pyparallel bench``: what each short name means, which fit a world size and a model,
+and which the default run picks.
+
+Names are short and stable (they are the keys of the JSON rows): ``single``, ``ddp``, ``zero1``,
+``zero2``, ``zero3``, ``zero3-offload``, ``tp``, ``pp-gpipe``, ``pp-1f1b``, ``pp-interleaved``, layouts
+such as ``dp2xtp2``, ``dp2xpp2``, ``tp2xpp2``, ``dp2xtp2xpp2`` (degrees multiply to the world size), and
+the PyTorch peers ``torch-*`` added by ``--peers``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One row of the bench: a dp × tp × pp layout, the ZeRO stage on the dp axis, the pipeline schedule.
+
+    ``peer_of`` names the pyparallel strategy a PyTorch peer is compared with (``None`` for our own).
+    """
+
+    name: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0  # 0: plain data parallel (DDP) over dp
+    offload: bool = False
+    schedule: str = "1f1b"
+    virtual: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    peer_of: str | None = None
+    note: str = ""
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def is_peer(self) -> bool:
+        return self.peer_of is not None
+
+    @property
+    def planner_strategy(self) -> str:
+        """The planner's name for the data-parallel part: 'ddp', 'zero1', 'zero2' or 'zero3'."""
+        return "ddp" if self.zero == 0 else f"zero{self.zero}"
+
+
+class StrategyError(ValueError):
+    """A strategy name the bench does not know, or one that does not fit the world size or the model."""
+
+
+_PP_SCHEDULES = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved"}
+_LAYOUT = re.compile(r"^(?:dp(\d+))?(?:x?tp(\d+))?(?:x?pp(\d+))?$")
+
+# PyTorch's own implementations, each against the pyparallel strategy a user would otherwise compare.
+PEERS = {
+    "torch-ddp": ("ddp", "torch.nn.parallel.DistributedDataParallel"),
+    "torch-zero1": ("zero1", "DDP + torch.distributed.optim.ZeroRedundancyOptimizer"),
+    "torch-fsdp2-zero2": ("zero2", "FSDP2 fully_shard per block, reshard_after_forward=False"),
+    "torch-fsdp2": ("zero3", "FSDP2 fully_shard per block"),
+    "torch-tp": ("tp", "DTensor parallelize_module, ColwiseParallel/RowwiseParallel"),
+    "torch-pp-1f1b": ("pp-1f1b", "torch.distributed.pipelining Schedule1F1B"),
+}
+
+
+def named(world: int) -> dict[str, StrategySpec]:
+    """Every fixed name at this world size (the single-axis strategies use the whole world)."""
+    n = world
+    out = {"single": StrategySpec("single", note="one process, whole batch: the reference")}
+    if n >= 2:
+        out["ddp"] = StrategySpec("ddp", dp=n, note="pyparallel.DataParallel")
+        for stage in (1, 2, 3):
+            out[f"zero{stage}"] = StrategySpec(f"zero{stage}", dp=n, zero=stage,
+                                               note=f"pyparallel.zero.setup(stage={stage})")
+        out["zero3-offload"] = StrategySpec("zero3-offload", dp=n, zero=3, offload=True,
+                                            note="pyparallel.zero.setup(stage=3, offload_optimizer=True)")
+        out["tp"] = StrategySpec("tp", tp=n, note="pyparallel.tensor_parallel.parallelize")
+        for name, sched in _PP_SCHEDULES.items():
+            out[name] = StrategySpec(name, pp=n, schedule=sched, virtual=2 if sched == "interleaved" else 1,
+                                     note=f"pyparallel.pipeline_parallel.PipelineParallel, {sched}")
+        for peer, (ours, what) in PEERS.items():
+            base = out[ours]
+            out[peer] = StrategySpec(peer, dp=base.dp, tp=base.tp, pp=base.pp, zero=base.zero,
+                                     schedule=base.schedule, peer_of=ours, note=what)
+    return out
+
+
+def layouts(world: int) -> dict[str, StrategySpec]:
+    """Two- and three-axis layouts whose degrees (each ≥ 2) multiply to ``world``: DDP on dp, 1F1B on pp."""
+    out = {}
+    divs = [d for d in range(2, world + 1) if world % d == 0]
+    for dp in [1, *divs]:
+        for tp in [1, *divs]:
+            if world % (dp * tp):
+                continue
+            pp = world // (dp * tp)
+            if sum(d > 1 for d in (dp, tp, pp)) < 2:
+                continue
+            name = "x".join(f"{axis}{d}" for axis, d in (("dp", dp), ("tp", tp), ("pp", pp)) if d > 1)
+            parts = [w for d, w in ((dp, "data parallel"), (tp, "tensor parallel"), (pp, "1F1B pipeline")) if d > 1]
+            out[name] = StrategySpec(name, dp=dp, tp=tp, pp=pp, note=" × ".join(parts))
+    # dp×tp, dp×pp, tp×pp, then three axes; by degrees within each
+    order = sorted(out.values(), key=lambda s: (s.dp > 1 and s.tp > 1 and s.pp > 1, s.dp == 1, s.pp > 1,
+                                                 -s.dp, -s.tp))
+    return {s.name: s for s in order}
+
+
+def known(world: int) -> dict[str, StrategySpec]:
+    return {**named(world), **layouts(world)}
+
+
+def default_names(world: int) -> list[str]:
+    """What a plain ``pyparallel bench`` runs: every strategy that fits the world size."""
+    if world == 1:
+        return ["single"]
+    base = ["single", "ddp", "zero1", "zero2", "zero3", "zero3-offload", "tp", "pp-1f1b"]
+    return base + list(layouts(world))
+
+
+def peer_names(world: int) -> list[str]:
+    return list(PEERS) if world >= 2 else []
+
+
+def parse(text: str | None, world: int, peers: bool = False) -> list[StrategySpec]:
+    """``--strategies a,b,c`` (or the defaults) → specs, in the order given, without duplicates.
+
+    Unknown names raise :class:`StrategyError` listing the known ones; a layout whose degrees do not
+    multiply to the world size says so.
+    """
+    table = known(world)
+    names = default_names(world) if not text else [t.strip() for t in text.split(",") if t.strip()]
+    if peers:
+        names += peer_names(world)
+    out, seen = [], set()
+    for name in names:
+        if name in seen:
+            continue
+        seen.add(name)
+        if name not in table:
+            raise StrategyError(_unknown_message(name, world, table))
+        out.append(table[name])
+    return out
+
+
+def _unknown_message(name: str, world: int, table: dict) -> str:
+    m = _LAYOUT.match(name)
+    if m and any(m.groups()):
+        degrees = [int(g) for g in m.groups() if g]
+        prod = 1
+        for d in degrees:
+            prod *= d
+        if prod != world:
+            return (f"layout {name!r} needs {prod} processes but the bench runs {world} (--nprocs {world}); "
+                    f"known names at this size: {', '.join(table)}")
+    return f"unknown strategy {name!r}; known names with --nprocs {world}: {', '.join(table)}"
+
+
+def misfit(spec: StrategySpec, cfg, batch: int, microbatches: int) -> str | None:
+    """Why ``spec`` cannot run this model and batch (a reason naming the numbers), or None."""
+    if batch % spec.dp:
+        return f"the global batch {batch} is not divisible by dp={spec.dp}"
+    if spec.tp > 1:
+        for what, value in (("n_head", cfg.n_head), ("n_kv_head", cfg.kv_heads), ("n_embd", cfg.n_embd),
+                            ("vocab_size", cfg.vocab_size)):
+            if value % spec.tp:
+                return f"tp={spec.tp} does not divide {what}={value}"
+    if spec.pp > 1:
+        chunks = spec.pp * spec.virtual
+        if cfg.n_layer < chunks:
+            return f"{cfg.n_layer} layers cannot fill {chunks} pipeline chunks"
+        if spec.schedule == "interleaved" and cfg.n_layer % chunks:
+            return f"the interleaved schedule needs n_layer={cfg.n_layer} divisible by pp×v={chunks}"
+        local = batch // spec.dp
+        if local % microbatches:
+            return f"the per-replica batch {local} is not divisible by {microbatches} micro-batches"
+        if microbatches < spec.pp:
+            return f"{microbatches} micro-batches are fewer than the {spec.pp} pipeline stages"
+    return None

@@ -1,0 +1,297 @@
+"""``pyparallel.parallelize``: data, tensor and pipeline parallelism (with ZeRO and mixed precision) on one
+mesh, in one call.
+
+    mesh = pyparallel.init(dp=2, tp=2, pp=2)
+    model = pyparallel.parallelize(GPT(cfg), mesh, zero_stage=1, param_dtype=torch.bfloat16,
+                                   num_microbatches=8, optimizer=torch.optim.AdamW, lr=3e-4)
+    for inputs, targets in batches:                 # this DP replica's share of the global batch
+        loss = model.step(inputs, targets)          # forward, backward, optimizer step; global mean loss
+
+What happens to the model, in order (every rank builds the same full model first):
+
+1. Tensor parallelism (Shoeybi et al. 2019) inside each stage: ``tensor_parallel.parallelize`` swaps the
+   layers for column/row/vocabulary-parallel ones over ``mesh.tp_group`` (built-in plans for the GPT,
+   Hugging Face GPT-2 and LLaMA); the loss becomes the vocabulary-parallel cross-entropy.
+2. Pipeline parallelism over ``mesh.pp_group``: ``to_blocks`` splits the model into embedding, layers and
+   head, and each rank keeps its chunk(s); ``schedule`` is "gpipe", "1f1b" or "interleaved". With one
+   stage this is plain micro-batching (gradient accumulation).
+3. Data parallelism over ``mesh.dp_group`` by ``combined.engine.DPEngine``: plain (``zero_stage=0``), or
+   ZeRO stage 1 / 2 (optimizer state / + gradients sharded over the DP ranks). The optimizer is built by
+   the engine over this rank's flat master slice, so it must be element-wise (AdamW, Adam, SGD, ...).
+
+ZeRO stage 3 is refused here: it gathers each layer's parameters just before use and frees them after,
+which fights the pipeline's interleaving of micro-batches (every micro-batch's forward and backward
+would gather every layer again) and would need the tied-weight reduction inside the gather; use
+``pyparallel.zero.setup(model, mesh, stage=3)`` for data parallelism alone, or stage 1/2 here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from pyparallel import amp
+from pyparallel.combined import pieces
+from pyparallel.combined.engine import DPEngine
+from pyparallel.combined.layout import describe, tp_owners
+from pyparallel.combined.pipe import StagePipeline
+from pyparallel.mesh import ParallelMesh
+
+__all__ = ["ParallelModel", "ParallelOptimizer", "parallelize"]
+
+
+def _check(model, mesh, zero_stage, optimizer, kwargs, clip_grad_norm, bucket_cap_mb) -> None:
+    """Configuration errors, before any collective."""
+    if not isinstance(mesh, ParallelMesh):
+        raise ValueError(f"mesh must be a pyparallel.ParallelMesh (from pyparallel.init()), got {mesh!r}")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    if zero_stage == 3:
+        raise ValueError("zero_stage=3 does not compose with pyparallel.parallelize: stage 3 re-gathers each "
+                         "layer for every micro-batch's forward and backward and cannot sum a weight tied "
+                         "across pipeline stages; use zero_stage=1 or 2 here (the optimizer state, and with 2 "
+                         "the gradients, are still sharded over dp), or pyparallel.zero.setup(model, mesh, "
+                         "stage=3) for data parallelism alone")
+    if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
+        raise ValueError(f"zero_stage must be 0 (plain data parallel), 1 or 2, got {zero_stage!r}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
+    if not bucket_cap_mb or bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+    from pyparallel.zero import _check_optimizer  # the element-wise rule is the same as ZeRO's
+
+    _check_optimizer(optimizer, kwargs)
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise ValueError(f"trainable parameters must share one floating dtype, found {sorted(map(str, dtypes))}")
+
+
+def _vocab_loss(group):
+    from pyparallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    def loss(logits, targets):
+        return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), group)
+
+    return loss
+
+
+def _scaled(loss_fn, scaler):
+    def loss(outputs, targets):
+        return amp.scale_outputs(loss_fn(outputs, targets), scaler)
+
+    return loss
+
+
+def _tensor_parallel(model, mesh, tp_plan, loss_fn):
+    """Split the layers over the TP group (when tp > 1); returns the loss function to use."""
+    if mesh.tp > 1:
+        from pyparallel.tensor_parallel import parallelize as tp_parallelize
+
+        tp_parallelize(model, mesh, plan=tp_plan)
+        if loss_fn is None and "vocab_head" in model._pyparallel_tp["plan"].styles.values():
+            return _vocab_loss(mesh.tp_group)  # the logits stay split by vocabulary
+    if loss_fn is None:
+        from pyparallel.pipeline_parallel.partition import to_blocks
+
+        loss_fn = to_blocks(model)[1]
+    return loss_fn
+
+
+def _local_params(pipe, infos, ties, mesh):
+    """[(ParamInfo, parameter)] of this stage; a weight tied across stages counts on its first stage."""
+    named = []
+    for p in pipe.parameters():
+        info = infos[id(p)]
+        if id(p) in ties:
+            info.tie_stages = ties[id(p)][1]
+            info.counted = info.counted and mesh.pp_rank == info.tie_stages[0]
+        named.append((info, p))
+    return named
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, param_dtype=None,
+                reduce_dtype: torch.dtype = torch.float32, mixed_precision: amp.MixedPrecision | None = None,
+                num_microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
+                optimizer=torch.optim.AdamW, lr: float | None = None, clip_grad_norm: float | None = None,
+                offload_optimizer: bool = False, tp_plan: dict | None = None, loss_fn=None,
+                bucket_cap_mb: float = 25.0, loss_scaler: amp.DynamicLossScaler | None = None,
+                activation_checkpointing: bool = False, **optimizer_kwargs) -> ParallelModel:
+    """Parallelize ``model`` over ``mesh`` (dp x tp x pp) and build its optimizer; see the module doc.
+
+    Args:
+        zero_stage: 0 (replicated optimizer), 1 (optimizer state + master sharded over dp), 2 (+ gradients).
+        param_dtype / reduce_dtype / mixed_precision: the precision policy (``amp.MixedPrecision``): compute
+            weights in ``param_dtype`` (None: the model's), gradients summed across ranks and micro-batches
+            in ``reduce_dtype``; the master weights and optimizer state are fp32 (fp64 for an fp64 model).
+            fp16 turns on dynamic loss scaling (``loss_scaler``).
+        num_microbatches: micro-batches per step (default: pp); the batch must divide by it.
+        schedule / virtual_stages: the pipeline schedule ("gpipe", "1f1b", "interleaved").
+        optimizer, lr, **optimizer_kwargs: an element-wise optimizer class and its arguments.
+        clip_grad_norm: clip by the global gradient norm of the whole model (all three axes).
+        offload_optimizer: master weights and optimizer state on the host (ZeRO-Offload).
+        tp_plan: a tensor-parallel plan (default: the built-in one for the model).
+        loss_fn: ``loss_fn(outputs, targets)`` (mean over the micro-batch); default: token cross-entropy
+            (vocabulary-parallel under TP).
+    """
+    kwargs = dict(optimizer_kwargs)
+    if lr is not None:
+        kwargs["lr"] = lr
+    _check(model, mesh, zero_stage, optimizer, kwargs, clip_grad_norm, bucket_cap_mb)
+    policy = mixed_precision or amp.MixedPrecision(param_dtype, reduce_dtype)
+    module_dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
+    compute = policy.compute_dtype(module_dtype)
+    master = torch.float64 if module_dtype == torch.float64 else torch.float32
+    reduce = torch.float64 if module_dtype == torch.float64 else policy.reduce_dtype
+    if loss_scaler is not None and compute != torch.float16:
+        raise ValueError("loss_scaler only applies with param_dtype=torch.float16")
+    scaler = (loss_scaler or amp.DynamicLossScaler()) if compute == torch.float16 else None
+    loss_fn = _tensor_parallel(model, mesh, tp_plan, loss_fn)
+    owners = tp_owners(model)
+    infos = {id(p): describe(n, p, owners.get(id(p)), mesh.tp, mesh.tp_rank) for n, p in model.named_parameters()}
+    buffer_names = {id(b): n for n, b in model.named_buffers()}
+    if scaler is not None and loss_fn is not None:
+        loss_fn = _scaled(loss_fn, scaler)
+    pipe = StagePipeline(model, mesh, schedule=schedule, num_microbatches=num_microbatches or mesh.pp,
+                         virtual_stages=virtual_stages, loss_fn=loss_fn, reduce_dp_grads=False,
+                         activation_checkpointing=activation_checkpointing)
+    ties = pipe.tie_groups()
+    named = _local_params(pipe, infos, ties, mesh)
+
+    def factory(params):
+        return optimizer(params, **kwargs)
+
+    # torch's own implementation choices (foreach/fused/...) are respected when given; the fused kernel is fp32.
+    fuse = master == torch.float32 and not any(k in kwargs for k in ("foreach", "fused", "capturable",
+                                                                      "differentiable"))
+    engine = DPEngine(named, mesh, stage=zero_stage, compute_dtype=compute, reduce_dtype=reduce, master_dtype=master,
+                      cap_bytes=max(1, int(bucket_cap_mb * 2**20)), tie_groups={k: g for k, (g, _) in ties.items()},
+                      optimizer_factory=factory, offload=offload_optimizer, fuse=fuse, scaler=scaler,
+                      clip_grad_norm=clip_grad_norm)
+    if compute != module_dtype:
+        pipe.retype(compute)
+    return ParallelModel(model, mesh, pipe, engine, policy, buffer_names)
+
+
+class ParallelModel:
+    """A model trained over a DP x TP x PP mesh (from :func:`parallelize`).
+
+    ``step(inputs, targets)`` runs one training step on this DP replica's share of the batch (identical
+    on every TP and PP rank of the replica) and returns the mean loss over the *global* batch.
+    ``optimizer`` is a ``torch.optim.Optimizer`` facade (``param_groups`` for LR schedulers, ``step``,
+    ``zero_grad``); ``named_parameters()`` yields this rank's tensors under their global names;
+    ``full_state_dict()`` gathers every weight, at full size, on every rank. Checkpoints:
+    ``pyparallel.checkpoint.save(path, model, model.optimizer, step=...)`` and ``load``, in any layout.
+    """
+
+    def __init__(self, module, mesh, pipe: StagePipeline, engine: DPEngine, policy, buffer_names):
+        self.module, self.mesh, self.pipe, self.engine, self.policy = module, mesh, pipe, engine, policy
+        self._buffer_names = buffer_names
+        self.optimizer = ParallelOptimizer(engine)
+
+    # ----------------------------------------------------------------------------------- training
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward of one batch (gradients accumulate until ``optimizer.step()``)."""
+        if inputs.is_floating_point() and inputs.dtype != self.engine.compute_dtype:
+            inputs = inputs.to(self.engine.compute_dtype)
+        return self.pipe.step(inputs, targets)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward, backward and optimizer step; returns the global mean loss (same on every rank)."""
+        loss = self.forward_backward(inputs, targets)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss
+
+    def batch_slice(self, batch_size: int) -> slice:
+        """The rows of a global batch of ``batch_size`` samples that this DP replica trains on."""
+        if batch_size % self.mesh.dp:
+            raise ValueError(f"the global batch of {batch_size} samples does not divide over dp={self.mesh.dp} "
+                             f"data-parallel replicas")
+        share = batch_size // self.mesh.dp
+        return slice(self.mesh.dp_rank * share, (self.mesh.dp_rank + 1) * share)
+
+    def train(self, mode: bool = True):
+        self.pipe.train(mode)
+        return self
+
+    # --------------------------------------------------------------------------------- parameters
+
+    def parameters(self):
+        return self.pipe.parameters()
+
+    def named_parameters(self):
+        """(global name, local tensor) for this rank's parameters (TP shards, whole replicated tensors)."""
+        for p in self.pipe.parameters():
+            yield self.engine.infos[id(p)].name, p
+
+    def named_buffers(self):
+        seen = set()
+        for chunk in self.pipe.chunks.values():
+            for b in chunk.buffers():
+                if id(b) in self._buffer_names and id(b) not in seen:
+                    seen.add(id(b))
+                    yield self._buffer_names[id(b)], b
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        return self.engine.last_grad_norm
+
+    @property
+    def loss_scaler(self) -> amp.DynamicLossScaler | None:
+        return self.engine.scaler
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter at full size (from the master weights) under its global name, on every rank (a
+        collective over the world; it moves the whole model, so for small models, tests and exports)."""
+        from pyparallel.checkpoint import gather_full
+
+        return gather_full(self.checkpoint_pieces(), self.mesh.world_group)
+
+    def stats(self, local: bool = False) -> dict:
+        """The pipeline's bubble and in-flight statistics (``PipelineParallel.stats``)."""
+        return self.pipe.stats(local)
+
+    # -------------------------------------------------------------------------------- checkpoints
+
+    def checkpoint_pieces(self):
+        return pieces.model_pieces(self)
+
+    def load_checkpoint_pieces(self, reader, manifest) -> None:
+        pieces.load_model(self, reader)
+
+
+class ParallelOptimizer(torch.optim.Optimizer):
+    """The optimizer of a :class:`ParallelModel`: ``step()`` reduces the gradients over the DP group (and
+    tied weights over their stages), clips by the global norm, updates this rank's slice and refreshes the
+    weights. ``param_groups`` are the inner optimizer's (LR schedulers work); ``state`` is this rank's
+    slice. Checkpoint it with ``pyparallel.checkpoint.save(path, model, model.optimizer, ...)``."""
+
+    def __init__(self, engine: DPEngine):
+        self.engine = engine
+        inner = engine.updater.optimizer
+        super().__init__([p for g in inner.param_groups for p in g["params"]], dict(inner.defaults))
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+        self.inner = inner
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.engine.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def checkpoint_pieces(self):
+        return pieces.optimizer_pieces(self.engine)
+
+    def load_checkpoint_pieces(self, reader, manifest) -> None:
+        pieces.load_optimizer(self.engine, reader, manifest)
+        self.state = self.inner.state
+
+    def __repr__(self) -> str:
+        return f"ParallelOptimizer(zero_stage={self.engine.stage}, inner={type(self.inner).__name__})"

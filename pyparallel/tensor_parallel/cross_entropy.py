@@ -1,0 +1,68 @@
+"""Cross-entropy over vocabulary-split logits, without gathering them (Megatron-LM, Shoeybi et al. 2019, §3:
+"we fuse the output of the parallel GEMM with the cross entropy loss").
+
+Rank r holds logits[..., r·V/t : (r+1)·V/t]. For N = b·s tokens the loss
+``log(sum_v exp(x_v - m)) - (x_target - m)`` needs only three per-token scalars from the group: the
+max ``m`` (all-reduce max), the sum of exponentials and the target's logit (one all-reduce of both,
+stacked, since both are plain sums). Each rank sends O(N) numbers instead of the N·V/t it would send to
+gather the logits. Backward is local: ``softmax - onehot(target)`` on this rank's vocabulary slice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pyparallel import comm
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index):
+        # logits [N, V/t] (computed in fp32, or fp64 for fp64), target [N] of global token ids
+        x = logits if logits.dtype == torch.float64 else logits.float()
+        v_local = x.shape[-1]
+        start = group.rank * v_local
+        m = x.max(dim=-1).values
+        comm.all_reduce(m, group, op="max")  # [N]: the global max, for a stable exp
+        shifted = x - m.unsqueeze(-1)
+        exp = shifted.exp()
+        mine = (target >= start) & (target < start + v_local)
+        local_t = (target - start).masked_fill(~mine, 0)
+        picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        stats = torch.stack([exp.sum(-1), picked])  # [2, N]: sum of exp and target logit (0 off-rank)
+        comm.all_reduce(stats, group)
+        sum_exp, target_logit = stats[0], stats[1]
+        valid = target != ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, mine & valid, valid)
+        ctx.in_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, hit, valid = ctx.saved_tensors
+        grad = softmax.clone()  # d loss / d x = softmax - onehot(target), on this rank's slice
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= hit.to(grad.dtype)
+        grad.mul_((grad_loss * valid).unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: comm.Group, *,
+                                 ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy`` of logits split by vocabulary over ``group`` (rank r holds slice r).
+
+    logits [..., V/t], target [...] of global token ids; ``reduction`` is "mean" (over targets that are not
+    ``ignore_index``), "sum" or "none"."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if tuple(logits.shape[:-1]) != tuple(target.shape):
+        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree on the "
+                         f"leading (token) dimensions")
+    flat = logits.reshape(-1, logits.shape[-1])
+    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), group, ignore_index)
+    if reduction == "none":
+        return loss.view(target.shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum()

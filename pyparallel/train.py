@@ -1,0 +1,239 @@
+"""``pyparallel train``: train the built-in GPT (or a Hugging Face config) on a text file with any DP x TP x
+PP layout, ZeRO stage, precision and offload, with periodic checkpoints and resume.
+
+    pyparallel train --dp 2 --tp 2 --steps 200                 # spawns dp*tp*pp local processes
+    torchrun --nproc-per-node 4 -m pyparallel.cli train --tp 2  # or under torchrun (any number of nodes)
+    pyparallel train --pp 2 --micro-batches 4 --zero 1 --dtype bf16 --checkpoint-dir ckpt --save-every 50
+    pyparallel train ... --checkpoint-dir ckpt --resume        # continue from ckpt/latest
+
+Text is byte-level (vocabulary 256, no tokenizer): the corpus shipped with the package, or ``--text``.
+Step k's global batch is a deterministic function of k (``pyparallel.data.batch``), so a resumed run,
+or one restarted by ``torchrun --max-restarts``, sees exactly the batches the uninterrupted run would
+have: on CPU its losses are equal bit for bit. Each DP replica trains on its rows of the global batch.
+Rank 0 shows a progress bar (loss, tokens/s), appends one JSON line per step to ``--metrics`` and prints
+``RESULT {...}`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pyparallel train", description="Train a GPT with a parallel layout on "
+                                "a text file (byte-level), with checkpoints and resume.")
+    p.add_argument("--model", default="tiny", help="built-in GPT preset (tiny, small-test, bench, gpt2-small, ...) "
+                   "or a Hugging Face config.json (random init)")
+    p.add_argument("--text", default=None, help="UTF-8 text file to train on (default: the shipped corpus)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what is left)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage over the DP axis")
+    p.add_argument("--offload", action="store_true", help="optimizer state and master weights on the host")
+    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default: pp)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
+    p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="compute precision (fp32 master)")
+    p.add_argument("--steps", type=int, default=100, help="train until this many steps are done")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length (tokens)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
+    p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint, if any")
+    p.add_argument("--metrics", default=None, help="append one JSON line per step here (rank 0)")
+    p.add_argument("--nprocs", type=int, default=None, help="local processes when not under torchrun "
+                   "(default: dp*tp*pp)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def check_args(args) -> None:
+    """Configuration errors, before any process starts (ValueError naming the values)."""
+    for name in ("tp", "pp", "steps", "batch", "seq"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.dp is not None and args.dp < 1:
+        raise ValueError(f"--dp must be >= 1, got {args.dp}")
+    if args.save_every < 0:
+        raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
+    if (args.save_every or args.resume) and not args.checkpoint_dir:
+        raise ValueError("--save-every and --resume need --checkpoint-dir")
+    dp = args.dp or 1
+    m = args.micro_batches or args.pp
+    if args.batch % (dp * m):
+        raise ValueError(f"--batch {args.batch} must divide into dp ({dp}) x micro-batches ({m}) = {dp * m} "
+                         f"equal parts")
+
+
+# ------------------------------------------------------------------------------------------- model
+
+
+def build_model(args, vocab: int):
+    """The model, identically initialised on every rank (seeded)."""
+    import torch
+
+    if args.model.endswith(".json") or os.path.isdir(args.model):
+        import transformers
+
+        path = args.model if args.model.endswith(".json") else os.path.join(args.model, "config.json")
+        with open(path) as f:
+            raw = json.load(f)
+        config = transformers.AutoConfig.for_model(**raw)
+        if getattr(config, "vocab_size", vocab) < vocab:
+            raise ValueError(f"{path}: vocab_size {config.vocab_size} is smaller than the {vocab} byte tokens")
+        torch.manual_seed(args.seed)
+        return transformers.AutoModelForCausalLM.from_config(config)
+    from pyparallel.models.gpt import GPT, gpt_config
+
+    cfg = gpt_config(args.model, vocab_size=vocab)
+    if cfg.block_size < args.seq:
+        cfg = gpt_config(args.model, vocab_size=vocab, block_size=args.seq)
+    return GPT(cfg, seed=args.seed)
+
+
+def _lr_at(args, step: int) -> float:
+    if args.warmup and step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    return args.lr
+
+
+# ------------------------------------------------------------------------------------------ faults
+
+
+def _maybe_fail(rank: int, step: int, where: str) -> None:
+    """Fault injection for restart tests: ``PYPARALLEL_FAULT=rank=R,step=S,where=step|save,marker=PATH``
+    ends rank R abruptly at step S (or inside the save of step S), once: the marker file records it."""
+    spec = os.environ.get("PYPARALLEL_FAULT")
+    if not spec:
+        return
+    f = dict(kv.split("=", 1) for kv in spec.split(","))
+    if int(f["rank"]) != rank or int(f["step"]) != step or f.get("where", "step") != where:
+        return
+    marker = f.get("marker")
+    if marker:
+        if os.path.exists(marker):
+            return
+        with open(marker, "w") as fh:
+            fh.write(f"rank {rank} failed at {where} {step}\n")
+    print(f"pyparallel train: injected fault on rank {rank} at {where} {step}", file=sys.stderr, flush=True)
+    os._exit(17)
+
+
+def _save(args, pm, step: int, rank: int) -> None:
+    from pyparallel import checkpoint
+
+    if os.environ.get("PYPARALLEL_FAULT"):
+        checkpoint._before_commit = lambda: _maybe_fail(rank, step, "save")  # test seam
+    checkpoint.save(args.checkpoint_dir, pm, pm.optimizer, step=step, extra={"model": args.model})
+
+
+# -------------------------------------------------------------------------------------------- train
+
+
+def train(args) -> dict:
+    """One rank's training loop (called in every process)."""
+    import torch
+
+    import pyparallel
+    from pyparallel import checkpoint, data
+
+    mesh = pyparallel.init(dp=args.dp, tp=args.tp, pp=args.pp)
+    tokens = data.encode(data.load_text(args.text))
+    model = build_model(args, data.VOCAB_SIZE).to(mesh.device)
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    pm = pyparallel.parallelize(model, mesh, zero_stage=args.zero, param_dtype=None if args.dtype == "fp32" else dtype,
+                                num_microbatches=args.micro_batches or args.pp, schedule=args.schedule,
+                                virtual_stages=2 if args.schedule == "interleaved" else 1,
+                                optimizer=torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay,
+                                clip_grad_norm=args.clip or None, offload_optimizer=args.offload)
+    start = 0
+    if args.resume and _has_checkpoint(args.checkpoint_dir):
+        start = checkpoint.load(args.checkpoint_dir, pm, pm.optimizer)["step"]
+    rows = pm.batch_slice(args.batch)
+    first = mesh.rank == 0
+    bar = _progress(first and not args.no_progress, start, args.steps)
+    losses, rates = [], []
+    for step in range(start, args.steps):
+        _maybe_fail(mesh.rank, step, "step")
+        t0 = time.perf_counter()
+        for group in pm.optimizer.param_groups:
+            group["lr"] = _lr_at(args, step)
+        idx, tgt = data.batch(tokens, step, args.batch, args.seq, seed=args.seed)
+        loss = pm.step(idx[rows].to(mesh.device), tgt[rows].to(mesh.device))
+        rate = args.batch * args.seq / (time.perf_counter() - t0)
+        losses.append(loss)
+        rates.append(rate)
+        if first:
+            _log(args, bar, step, loss, rate, pm)
+        done = step + 1
+        if args.checkpoint_dir and ((args.save_every and done % args.save_every == 0) or done == args.steps):
+            _save(args, pm, done, mesh.rank)
+    if bar is not None:
+        bar.close()
+    return {"losses": losses, "start": start, "steps": args.steps, "world_size": mesh.world_size,
+            "layout": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "zero": args.zero},
+            "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None}
+
+
+def _has_checkpoint(root: str) -> bool:
+    return os.path.exists(os.path.join(root, "latest"))
+
+
+def _progress(enabled: bool, start: int, total: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def _log(args, bar, step: int, loss: float, rate: float, pm) -> None:
+    if bar is not None:
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
+        bar.update(1)
+    if args.metrics:
+        with open(args.metrics, "a") as f:
+            f.write(json.dumps({"step": step, "loss": loss, "tokens_per_s": rate,
+                                "grad_norm": pm.last_grad_norm}) + "\n")
+
+
+def _worker(args) -> dict:
+    return train(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as exc:
+        print(f"pyparallel train: {exc}", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun (or launch): we are one rank
+        result = train(args)
+        if int(os.environ["RANK"]) == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    import pyparallel
+
+    nprocs = args.nprocs or (args.dp or 1) * args.tp * args.pp
+    try:
+        result = pyparallel.launch(_worker, nprocs, (args,))[0]
+    except pyparallel.LaunchError as exc:
+        print(f"pyparallel train: {exc}", file=sys.stderr)
+        return 1
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

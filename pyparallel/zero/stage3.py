@@ -1,0 +1,359 @@
+"""ZeRO stage 3 (Rajbhandari et al. 2020, section 5.3, P_os+g+p): parameters, gradients and optimizer state
+all partitioned; a rank holds 16Ψ/N bytes of model state with mixed-precision Adam.
+
+Each unit (see ``wrap``) keeps only this rank's flat shard: the fp32 master slice (cast to the compute dtype
+by each gather; with the optimizer offloaded, a compute-dtype copy instead). Its life in one step:
+
+1. Forward pre-hook: all-gather the unit (already in flight if it was prefetched) into a fresh full
+   buffer, bind the module's parameter attributes to views of it, and start gathering the next unit of
+   the forward order (learnt from the previous step), so communication overlaps this unit's compute.
+   The views come out of :class:`_GatherFn`, whose backward is the unit's post-backward.
+2. Forward post-hook: free the full buffer's storage (the tensor and its views stay alive: autograd saved
+   them) and hook the unit's outputs.
+3. Pre-backward (the first gradient reaching an output): refill the same storage by all-gathering again,
+   and prefetch the unit that ran before it, which backward reaches next.
+4. Post-backward (:class:`_GatherFn.backward`, run by autograd once every parameter view's gradient has
+   been summed into one flat gradient): free the weights, reduce-scatter the gradient asynchronously into
+   this rank's gradient shard, and let the full gradient go.
+
+Per step each rank therefore moves two all-gathers and one reduce-scatter of every unit, 3Ψ (ZeRO
+section 7.2.2), except the root unit, which is gathered once and kept until its backward.
+
+Gradient accumulation adds each micro-batch's reduce-scatter into the shard (one reduce-scatter per
+micro-batch; ``no_sync`` does not defer it). Parameters may only be read inside their unit's forward (they
+are freed outside it); the forward order must be the same on every rank. Frozen parameters are not
+sharded: they stay whole and replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from pyparallel import comm
+from pyparallel.amp import MixedPrecision
+from pyparallel.zero.flat_param import FlatLayout, ShardSpace, alloc_storage, free_storage, storage_allocated
+from pyparallel.zero.reduce import ShardReducer, shares_storage
+from pyparallel.zero.step import DeviceUpdater
+from pyparallel.zero.wrap import UnitSpec, assign_parameters, select_units
+
+
+class _Unit:
+    def __init__(self, index: int, spec: UnitSpec, layout: FlatLayout):
+        self.index = index
+        self.spec = spec
+        self.layout = layout
+        self.shard_param: nn.Parameter | None = None
+        self.prefetched: _Gathered | None = None
+        self.active: list[_Gathered] = []  # records of forward calls in progress (nesting, reuse)
+
+
+class _Gathered:
+    """One materialisation of a unit: created per forward call, refilled for its backward."""
+
+    def __init__(self, unit: _Unit, full: torch.Tensor, handle):
+        self.unit = unit
+        self.full = full
+        self.handle = handle
+        self.pass_: list[_Gathered] | None = None
+        self.position = -1
+        self.backward_done = False
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            handle, guard, _ = self.handle
+            handle.wait()
+            guard.__exit__(None, None, None)
+            self.handle = None
+
+
+class _GatherFn(torch.autograd.Function):
+    """Identity from a unit's shard parameter to its gathered flat weights; backward = post-backward."""
+
+    @staticmethod
+    def forward(ctx, shard_param, record, engine):
+        ctx.record, ctx.engine = record, engine
+        return record.full.view_as(record.full)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        ctx.engine._post_backward(ctx.record, grad_full)
+        return None, None, None
+
+
+class Stage3Engine:
+    """Sharded parameters, hooks and prefetching for ZeRO stage 3 (see the module docstring)."""
+
+    stage = 3
+
+    def __init__(self, module: nn.Module, group: comm.Group, policy: MixedPrecision, device: torch.device,
+                 module_dtype: torch.dtype, wrap_policy=None, prefetch: bool = True):
+        self.group = group
+        self.device = device
+        self.sync = True  # accepted for API symmetry; stage 3 reduces every backward
+        self.prefetch = prefetch
+        self.compute_dtype = policy.compute_dtype(module_dtype)
+        self.reduce_dtype = policy.reduce_dtype
+        root_spec, specs = assign_parameters(module, select_units(module, wrap_policy))
+        self.frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        specs = ([root_spec] if root_spec.params else []) + specs
+        self.units = [_Unit(i, s, FlatLayout(s.names, s.params, group.size)) for i, s in enumerate(specs)]
+        self.root = self.units[0] if root_spec.params else None
+        self.layouts = [u.layout for u in self.units]
+        self.space = ShardSpace(self.layouts, group.rank)
+        self.master_init = self._shard_and_release()
+        self.has_master = self.compute_dtype != torch.float32
+        # What all-gathers read: in fp32 the master itself; under mixed precision on the device nothing at
+        # rest (each gather casts the master's slice), with offload a compute-dtype copy (attach_updater).
+        self.param_shard = None if self.has_master else self.master_init
+        self.grad_shard = self.space.new(self.reduce_dtype, device)
+        for _, p in self.frozen:
+            if p.is_floating_point() and p.dtype != self.compute_dtype:
+                p.data = p.data.to(self.compute_dtype)
+        self.reducer = ShardReducer(group, max_inflight=2)
+        self._clean = [True] * len(self.units)
+        self._pass: list[_Gathered] | None = None
+        order = [u.index for u in self.units if u is not self.root]
+        self._next_unit = dict(zip(order, order[1:]))
+        self._round_active = False
+        self._touched: list[_Gathered] = []
+        self.updater = None
+        for u in self.units:
+            if u is not self.root:
+                u.spec.module.register_forward_pre_hook(self._hook_pre_forward(u))
+                u.spec.module.register_forward_hook(self._hook_post_forward(u))
+
+    # ----------------------------------------------------------------------------------- setup
+
+    @torch.no_grad()
+    def _shard_and_release(self) -> torch.Tensor:
+        """fp32 master shard from the (broadcast) full weights, then unregister the full parameters."""
+        master = self.space.new(torch.float32, self.device)
+        a_rank = self.group.rank
+        for u in self.units:
+            full = u.layout.flatten(u.layout.params, torch.float32, self.device)
+            a, b = u.layout.shard_range(a_rank)
+            self.space.slice(master, u.index).copy_(full[a:b])
+            for p, slots in zip(u.layout.params, u.spec.slots):
+                for mod, attr in slots:
+                    del mod._parameters[attr]
+                    mod.__dict__[attr] = None  # bound to a gathered view inside the unit's forward
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # drop the full copy
+        return master
+
+    def attach_updater(self, updater) -> None:
+        """Called by setup once the optimizer's home is known. An offloaded master lives on the host, so the
+        device keeps the compute-dtype shard that the gathers read (ZeRO-Offload's fp16 parameters)."""
+        self.updater = updater
+        if self.has_master and not isinstance(updater, DeviceUpdater):
+            self.param_shard = self.master_init.to(self.compute_dtype)
+        at_rest = self.param_shard if self.param_shard is not None else updater.master
+        for u in self.units:  # the autograd anchor of each unit, and what model.parameters() shows
+            u.shard_param = nn.Parameter(self.space.slice(at_rest, u.index), requires_grad=True)
+
+    @property
+    def master_is_param_shard(self) -> bool:
+        """In fp32 on the device the optimizer updates the gathered-from shard itself (no second copy)."""
+        return self.param_shard is not None and isinstance(self.updater, DeviceUpdater)
+
+    @property
+    def shard_params(self) -> list[nn.Parameter]:
+        return [u.shard_param for u in self.units]
+
+    # ---------------------------------------------------------------------------------- gathering
+
+    def _issue_gather(self, unit: _Unit, full: torch.Tensor):
+        """Start gathering ``unit`` into ``full``; returns (handle, version guard). gloo bumps the output's
+        version counter from its worker thread when the gather lands; autograd saved views of this storage
+        and compares that counter in backward, so the guard restores the value from before the issue."""
+        guard = torch.autograd._unsafe_preserve_version_counter(full)
+        if self.param_shard is not None:
+            shard = self.space.slice(self.param_shard, unit.index)
+        else:  # cast this unit's slice of the fp32 master (kept alive with the handle until it lands)
+            shard = self.space.slice(self.updater.master, unit.index).to(self.compute_dtype)
+        return comm.all_gather(full, shard, self.group, async_op=True), guard, shard
+
+    def _start_gather(self, unit: _Unit) -> _Gathered:
+        full = torch.empty(unit.layout.padded, dtype=self.compute_dtype, device=self.device)
+        return _Gathered(unit, full, self._issue_gather(unit, full))
+
+    def _materialize(self, unit: _Unit) -> _Gathered:
+        record, unit.prefetched = unit.prefetched, None
+        if record is None:
+            record = self._start_gather(unit)
+        record.wait()
+        return record
+
+    def _bind(self, unit: _Unit, record: _Gathered) -> None:
+        full = record.full
+        if torch.is_grad_enabled():
+            full = _GatherFn.apply(unit.shard_param, record, self)
+        for view, slots in zip(unit.layout.split_views(full), unit.spec.slots):
+            for mod, attr in slots:
+                mod.__dict__[attr] = view
+
+    # ----------------------------------------------------------------------------------- forward
+
+    def run_forward(self, module: nn.Module, args, kwargs):
+        self._pass = []
+        root_record = None
+        if self.root is not None:
+            root_record = self._materialize(self.root)
+            self._bind(self.root, root_record)
+        try:
+            out = module(*args, **kwargs)
+        finally:
+            order = [r.unit.index for r in self._pass]
+            self._pass = None
+            self._drop_unused_prefetches()
+        if len(order) > 1:
+            self._next_unit = dict(zip(order, order[1:]))
+        if root_record is not None:
+            self._unbind(self.root)
+            needs_grad = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if torch.is_grad_enabled() and needs_grad:
+                register_multi_grad_hook(needs_grad, self._pre_backward_fn(root_record), mode="any")
+            else:
+                free_storage(root_record.full)
+        return out
+
+    def _hook_pre_forward(self, unit: _Unit):
+        def hook(module, args):
+            record = self._materialize(unit)
+            self._bind(unit, record)
+            unit.active.append(record)
+            if self._pass is not None:
+                record.pass_, record.position = self._pass, len(self._pass)
+                self._pass.append(record)
+            nxt = self._next_unit.get(unit.index)
+            if self.prefetch and nxt is not None:
+                target = self.units[nxt]
+                if target.prefetched is None and not target.active:
+                    target.prefetched = self._start_gather(target)
+
+        return hook
+
+    def _unbind(self, unit: _Unit) -> None:
+        """Outside its forward a unit's parameters read as None (their storage is freed; autograd keeps its
+        own references to the views it saved)."""
+        for slots in unit.spec.slots:
+            for mod, attr in slots:
+                mod.__dict__[attr] = None
+
+    def _hook_post_forward(self, unit: _Unit):
+        def hook(module, args, output):
+            record = unit.active.pop()
+            free_storage(record.full)
+            if not unit.active:
+                self._unbind(unit)
+            if torch.is_grad_enabled():
+                needs_grad = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if needs_grad:
+                    register_multi_grad_hook(needs_grad, self._pre_backward_fn(record), mode="any")
+
+        return hook
+
+    def _drop_unused_prefetches(self) -> None:
+        for u in self.units:
+            if u.prefetched is not None:
+                u.prefetched.wait()
+                u.prefetched = None
+
+    # ---------------------------------------------------------------------------------- backward
+
+    def _start_round(self) -> None:
+        if not self._round_active:
+            self._round_active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_round)
+
+    def _pre_backward_fn(self, record: _Gathered):
+        def hook(_grad):
+            self._start_round()
+            self._touched.append(record)
+            self._refill(record)
+            record.wait()
+            prev = record.pass_[record.position - 1] if record.pass_ and record.position > 0 else None
+            if self.prefetch and prev is not None and not prev.backward_done:
+                self._refill(prev)
+
+        return hook
+
+    def _refill(self, record: _Gathered) -> None:
+        """Start re-gathering a freed unit into its own (autograd-saved) storage."""
+        if record.handle is None and not storage_allocated(record.full):
+            alloc_storage(record.full)
+            record.handle = self._issue_gather(record.unit, record.full)
+            self._touched.append(record)
+
+    def _post_backward(self, record: _Gathered, grad_full: torch.Tensor) -> None:
+        self._start_round()
+        record.wait()
+        record.backward_done = True
+        free_storage(record.full)
+        u = record.unit
+        full = grad_full.to(self.reduce_dtype).contiguous()
+        accumulate = not self._clean[u.index]
+        self._clean[u.index] = False
+        # The flat gradient is ours alone (autograd passes it to no one else): reduce it in place.
+        self.reducer.launch(full, self.space.slice(self.grad_shard, u.index), accumulate, scratch=True)
+
+    def _finish_round(self) -> None:
+        self._round_active = False
+        self.reducer.drain()
+        for record in self._touched:  # units whose weights came back but whose gradient never did
+            record.wait()
+            if not record.backward_done:
+                free_storage(record.full)
+        self._touched = []
+
+    # ------------------------------------------------------------------------ optimizer interface
+
+    def finish_reductions(self) -> None:
+        self.reducer.drain()
+
+    def step_grad(self) -> torch.Tensor:
+        g = self.grad_shard
+        return g if g.dtype == torch.float32 else g.float()
+
+    def param_out(self) -> torch.Tensor | None:
+        return self.param_shard  # None: nothing to write, the next gathers cast the updated master
+
+    def publish(self, out: torch.Tensor) -> None:
+        return None  # the next forward gathers the new shards
+
+    @torch.no_grad()
+    def refresh_weights(self) -> None:
+        """Make the compute-dtype shards equal to the masters (after loading a checkpoint)."""
+        if self.param_shard is not None and not shares_storage(self.param_shard, self.updater.master):
+            self.param_shard.copy_(self.updater.master)
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        self.grad_shard.zero_()
+        self._clean = [True] * len(self.units)
+
+    # ------------------------------------------------------------------------------------ report
+
+    def memory_parts(self) -> tuple[dict, dict, int]:
+        """(states, buffers, padding elements); see ``Stage12Engine.memory_parts``."""
+        S, cd, rd = self.space.numel, self.compute_dtype, self.reduce_dtype
+        cb = torch.empty((), dtype=cd).element_size()
+        rb = torch.empty((), dtype=rd).element_size()
+        frozen = sum(p.numel() * p.element_size() for _, p in self.frozen)
+        at_rest = 0 if self.param_shard is None else S * self.param_shard.element_size()
+        states = {"params": at_rest + frozen, "grads": S * rb}
+        others = [u.layout.padded for u in self.units if u is not self.root]
+        biggest = max(others, default=0)
+        in_flight = 2 if self.prefetch else 1
+        buffers = {"gathered_units": in_flight * biggest * cb,
+                   "reduce_buckets": self.reducer.max_inflight * biggest * rb}
+        if self.param_shard is None:
+            buffers["gather_cast_shards"] = in_flight * (biggest // self.group.size) * cb
+        if self.root is not None:
+            buffers["gathered_root"] = self.root.layout.padded * cb
+        if rd != torch.float32:
+            buffers["step_grad_fp32"] = S * 4
+        pad = sum(lay.padded - lay.numel for lay in self.layouts)
+        return states, buffers, pad

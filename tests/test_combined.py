@@ -1,0 +1,226 @@
+"""pyparallel.parallelize: DP x TP x PP (+ ZeRO 1/2) equals the unparallelised model in one process.
+
+Every layout trains the same model on the same global batch for 5 AdamW steps and is compared with one
+process on the whole batch: the loss of every step and every parameter afterwards (gathered back to
+full size), at default tolerance.
+
+Why float64 for these comparisons: tensor parallelism sums partial products in another order (and
+fuses GeLU into the row matmul), which changes the last bits of a few gradients. Adam's update
+g / (sqrt(v) + eps) divides each element by its own gradient scale, so an element whose gradient is
+tiny turns those last bits into a visible difference: the tiny GPT here has one element of
+``blocks.0.mlp.fc_in.weight`` whose first gradient is 5e-8, and after 5 fp32 steps it differs by 1.3e-5
+from the one-process run -- with ``tensor_parallel.parallelize`` and ``torch.optim.AdamW`` alone, without
+any of this module's code. In float64 the rounding is 1e-16 and the comparison is exact in substance.
+``test_fp32_data_and_pipeline_parity`` checks the fp32 path itself where no reordering is involved.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist import run
+from models import TINY, batches
+
+import pyparallel
+from pyparallel.models.gpt import GPT, gpt_config
+
+STEPS, BATCH = 5, 8
+LR, WD = 1e-2, 0.1
+
+
+def ce(outputs, targets):
+    """Token cross-entropy in the outputs' dtype (the GPT's own loss upcasts to fp32, not to fp64)."""
+    return F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
+
+
+def gpt(dtype=torch.float64, **cfg):
+    return GPT(gpt_config("tiny", **{**TINY, **cfg}), seed=0).to(dtype)
+
+
+def hf(kind, dtype=torch.float64):
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                       max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                       tie_word_embeddings=True)
+        return transformers.LlamaForCausalLM(cfg).to(dtype)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    return transformers.GPT2LMHeadModel(cfg).to(dtype)
+
+
+def logits_of(model, idx):
+    out = model(idx)
+    return out if torch.is_tensor(out) else out.logits
+
+
+def reference(make, clip=None, steps=STEPS):
+    """One process, whole batch: losses, final parameters and the clip norms."""
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses, norms = [], []
+    for idx, tgt in batches(steps, BATCH):
+        loss = ce(logits_of(model, idx), tgt)
+        loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def train(pm, steps=STEPS, start=0):
+    sl = pm.batch_slice(BATCH)
+    losses, norms = [], []
+    for idx, tgt in batches(steps, BATCH)[start:]:
+        losses.append(pm.step(idx[sl], tgt[sl]))
+        norms.append(pm.last_grad_norm)
+    return losses, norms
+
+
+def compare(pm, ref, losses, norms=None):
+    ref_losses, ref_params, ref_norms = ref
+    dtype = next(iter(ref_params.values())).dtype
+    torch.testing.assert_close(torch.tensor(losses, dtype=dtype), torch.tensor(ref_losses, dtype=dtype))
+    if ref_norms:
+        torch.testing.assert_close(torch.tensor(norms, dtype=dtype), torch.tensor(ref_norms, dtype=dtype))
+    full = pm.full_state_dict()
+    assert full.keys() == ref_params.keys(), sorted(set(full) ^ set(ref_params))
+    for name, p in full.items():
+        torch.testing.assert_close(p, ref_params[name], msg=lambda m, name=name: f"{name}: {m}")
+
+
+def layouts_body(configs):
+    """Each config: (dp, tp, pp, zero_stage, micro-batches, schedule, virtual stages, clip)."""
+    refs = {}
+    out = []
+    for dp, tp, pp, zero, m, schedule, v, clip in configs:
+        if clip not in refs:
+            refs[clip] = reference(gpt, clip)
+        mesh = pyparallel.init(dp=dp, tp=tp, pp=pp)
+        pm = pyparallel.parallelize(gpt(), mesh, zero_stage=zero, num_microbatches=m, schedule=schedule,
+                                    virtual_stages=v, clip_grad_norm=clip, lr=LR, weight_decay=WD,
+                                    loss_fn=None if tp > 1 else ce)
+        losses, norms = train(pm)
+        compare(pm, refs[clip], losses, norms)
+        out.append(sum(p.numel() for p in pm.parameters()))
+    return out
+
+
+def test_layouts_equal_one_process():
+    configs = [
+        (2, 2, 1, 0, 1, "1f1b", 1, None),  # DP2 x TP2
+        (2, 1, 2, 0, 2, "1f1b", 1, None),  # DP2 x PP2 (wte / lm_head tied across the stages)
+        (1, 2, 2, 0, 2, "gpipe", 1, None),  # TP2 x PP2
+        (2, 2, 1, 2, 2, "1f1b", 1, None),  # DP2 ZeRO-2 x TP2, two micro-batches accumulated in the shard
+        (2, 1, 2, 1, 2, "interleaved", 2, 0.05),  # DP2 ZeRO-1 x PP2 interleaved, clipped by the global norm
+        (2, 1, 2, 2, 4, "1f1b", 1, 0.05),  # DP2 ZeRO-2 x PP2, tied weight summed on its shard, clipped
+    ]
+    held = run(layouts_body, 4, configs)
+    total = sum(p.numel() for p in gpt().parameters())
+    assert held[0][0] < total and held[0][1] < total  # each rank really holds a part
+
+
+def tp_pp_clip_body():
+    """TP2 x PP2 with clipping: the norm counts replicated LayerNorms once and the tied weight once."""
+    ref = reference(gpt, clip=0.05)
+    mesh = pyparallel.init(tp=2, pp=2)
+    pm = pyparallel.parallelize(gpt(), mesh, zero_stage=1, num_microbatches=2, clip_grad_norm=0.05, lr=LR,
+                                weight_decay=WD)
+    losses, norms = train(pm)
+    compare(pm, ref, losses, norms)
+    assert all(n > 0.05 for n in norms)  # it really clipped
+
+
+def test_clipping_over_all_three_axes():
+    run(tp_pp_clip_body, 4)
+
+
+def fp32_body():
+    """fp32 end to end where no summation order changes: DP2 ZeRO-1 x PP2 and stage 0."""
+    ref = reference(lambda: gpt(torch.float32))
+    for stage in (0, 1):
+        mesh = pyparallel.init(dp=2, pp=2)
+        pm = pyparallel.parallelize(gpt(torch.float32), mesh, zero_stage=stage, num_microbatches=2, lr=LR,
+                                    weight_decay=WD, loss_fn=ce)
+        compare(pm, ref, train(pm)[0])
+
+
+def test_fp32_data_and_pipeline_parity():
+    run(fp32_body, 4)
+
+
+def hf_body(kind, dp, tp, pp, zero):
+    ref = reference(lambda: hf(kind))
+    mesh = pyparallel.init(dp=dp, tp=tp, pp=pp)
+    pm = pyparallel.parallelize(hf(kind), mesh, zero_stage=zero, num_microbatches=2, lr=LR, weight_decay=WD,
+                                loss_fn=None if tp > 1 else ce)
+    compare(pm, ref, train(pm)[0])
+
+
+@pytest.mark.parametrize("kind,layout", [("llama", (1, 2, 2, 1)), ("gpt2", (2, 2, 1, 2))])
+def test_hugging_face_models(kind, layout):
+    run(hf_body, 4, kind, *layout)
+
+
+def precision_body():
+    """bf16 compute with fp32 master and fp32 reduction (DP2 ZeRO-2 x TP2), and fp16 with dynamic loss
+    scaling (DP2 ZeRO-1 x PP2) whose overflow decisions agree on every rank."""
+    ref_losses = reference(lambda: gpt(torch.float32))[0]
+    mesh = pyparallel.init(dp=2, tp=2)
+    pm = pyparallel.parallelize(gpt(torch.float32), mesh, zero_stage=2, num_microbatches=2, lr=LR, weight_decay=WD,
+                                param_dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in pm.parameters())
+    assert pm.engine.updater.master.dtype == torch.float32 and pm.engine.grad_shard.dtype == torch.float32
+    losses = train(pm)[0]
+    bf16 = torch.tensor(losses, dtype=torch.bfloat16)
+    torch.testing.assert_close(bf16, torch.tensor(ref_losses, dtype=torch.bfloat16))  # bf16 tolerance
+    assert {t.dtype for p, t in pm.checkpoint_pieces() if p.name.startswith("model/")} == {torch.float32}
+
+    mesh = pyparallel.init(dp=2, pp=2)
+    scaler = pyparallel.amp.DynamicLossScaler(init_scale=2.0**30, backoff_factor=2.0**-8)
+    pm = pyparallel.parallelize(gpt(torch.float32), mesh, zero_stage=1, num_microbatches=2, lr=LR,
+                                weight_decay=WD, param_dtype=torch.float16, loss_scaler=scaler, clip_grad_norm=1.0)
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    sl = pm.batch_slice(BATCH)
+    idx, tgt = batches(1, BATCH)[0]
+    pm.step(idx[sl], tgt[sl])  # 2^30 overflows fp16 gradients: skipped everywhere, weights untouched
+    assert scaler.skipped_steps == 1 and scaler.scale == 2.0**22
+    assert all(torch.equal(p, before[n]) for n, p in pm.named_parameters())
+    losses = [pm.step(idx[sl], tgt[sl]) for _ in range(8)]  # one batch, again and again: it must learn it
+    assert all(p.dtype == torch.float16 for p in pm.parameters())
+    assert losses[-1] < losses[0] - 0.1 and all(x == x for x in losses), losses
+    return scaler.skipped_steps, scaler.scale, losses
+
+
+def test_mixed_precision_policies():
+    results = run(precision_body, 4)
+    assert all(r == results[0] for r in results)  # same skips, same scale, same losses on every rank
+
+
+def bad_config_body():
+    from pyparallel import comm
+
+    errors = []
+    cases = [
+        (dict(dp=4), dict(zero_stage=3), "zero_stage=3"),
+        (dict(tp=4), dict(), "divisible by 4"),  # 2 heads cannot split 4 ways
+        (dict(pp=4), dict(num_microbatches=4), "only 3 blocks"),
+        (dict(pp=2, dp=2), dict(num_microbatches=1), "num_microbatches (1)"),
+        (dict(dp=4), dict(optimizer=torch.optim.LBFGS), "element-wise"),
+    ]
+    for degrees, kwargs, text in cases:
+        mesh = pyparallel.init(**degrees)
+        with pytest.raises(ValueError, match=None) as info:
+            pyparallel.parallelize(gpt(torch.float32, n_layer=1, n_head=2), mesh, lr=LR, **kwargs)
+        assert text in str(info.value), str(info.value)
+        errors.append(str(info.value))
+    assert comm.comm_stats()["total"]["calls"] == 0  # every error came before the first collective
+    return errors
+
+
+def test_bad_configurations_fail_before_any_collective():
+    run(bad_config_body, 4)
