@@ -1,13 +1,12 @@
 """launch() and torchrun run the same user script, on one "node" and on two, with the same results."""
 
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from torchrun import result, two_nodes
 
 import pyparallel
 from pyparallel.launch import free_port
@@ -17,9 +16,7 @@ SCRIPT = str(ROOT / "examples" / "train_ddp.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _result(stdout: str) -> dict:
-    line = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+_result = result
 
 
 def _rank_info(x):
@@ -64,26 +61,9 @@ def test_torchrun_single_node_matches_launch_and_one_process():
 
 
 def test_torchrun_two_nodes_over_c10d_rendezvous():
-    port = free_port()
     common = ["--steps", "2", "--batch", "4"]
-    procs = []
-    for node in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", f"pp-test-{port}", SCRIPT, *common]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=ENV, cwd=ROOT))
-        time.sleep(0.5)
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert p.returncode == 0, out[-2000:] + err[-3000:]
-        outs.append(out)
+    outs = two_nodes(lambda rdzv: [sys.executable, "-m", "torch.distributed.run", *rdzv, SCRIPT, *common],
+                     ENV, ROOT)
     results = [_result(o) for o in outs if "RESULT " in o]
     assert len(results) == 1 and results[0]["world_size"] == 2
     single = _result(_run([sys.executable, SCRIPT, "--nprocs", "1", *common]))

@@ -6,14 +6,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from dist import run
+from torchrun import result as _result
+from torchrun import two_nodes
 
 from pyparallel import train as train_mod
-from pyparallel.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -45,10 +45,6 @@ def _cli(*argv, env=None, timeout=240):
     cmd = [sys.executable, "-m", "pyparallel.cli", "train", *COMMON, *argv]
     return subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout,
                           cwd=ROOT)
-
-
-def _result(stdout: str) -> dict:
-    return json.loads([ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
 
 
 def _metrics(path) -> dict[int, float]:
@@ -92,25 +88,7 @@ def uninterrupted():
 
 
 def test_two_torchrun_nodes_train_together(uninterrupted):
-    port = free_port()
-    argv = ["--dp", "2"]
-    procs = []
-    for node in range(2):
-        extra = ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"pp-train-{port}"]
-        procs.append(subprocess.Popen(_torchrun(extra, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=ENV, cwd=ROOT))
-        time.sleep(0.5)
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert p.returncode == 0, out[-2000:] + err[-3000:]
-        outs.append(out)
+    outs = two_nodes(lambda rdzv: _torchrun(rdzv, ["--dp", "2"]), ENV, ROOT)
     results = [_result(o) for o in outs if "RESULT " in o]
     assert len(results) == 1 and results[0]["world_size"] == 2 and results[0]["layout"]["dp"] == 2
     assert results[0]["losses"] == uninterrupted  # the same arithmetic as two local processes
