@@ -61,9 +61,9 @@ def test_pytorch_peers_run_and_match_the_reference(tmp_path):
 
 
 def test_four_process_layouts_match_the_reference(tmp_path):
-    status, _, data = _bench(tmp_path, "--nprocs", "4", "--strategies", "dp2xtp2,dp2xpp2")
+    status, _, data = _bench(tmp_path, "--nprocs", "4", "--strategies", "dp2xtp2,dp2xpp2,tp2xpp2")
     rows = _all_match(data)
-    assert [(r["dp"], r["tp"], r["pp"]) for r in rows.values()] == [(2, 2, 1), (2, 1, 2)]
+    assert [(r["dp"], r["tp"], r["pp"]) for r in rows.values()] == [(2, 2, 1), (2, 1, 2), (1, 2, 2)]
     assert {k for r in rows["dp2xtp2"]["ranks"] for k in r["comm_bytes_by_axis"]} >= {"dp", "tp"}
     assert status == 0
 
