@@ -52,10 +52,13 @@ class Bucket:
     def adopt_grad(self, i: int) -> None:
         """Make parameter i's gradient the bucket view (copying it in if autograd allocated a new one)."""
         p, view = self.params[i], self.views[i]
-        if p.grad is None:
+        grad = p.grad
+        if grad is view:  # the steady state: autograd accumulated into the bucket itself
+            return
+        if grad is None:
             view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
         p.grad = view
 
     def gather_grads(self) -> None:
