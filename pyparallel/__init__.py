@@ -30,7 +30,7 @@ _EXPORTS = {
 }
 _SUBMODULES = {
     "comm", "device", "mesh", "checkpoint", "memory", "amp", "zero", "optim", "tensor_parallel",
-    "pipeline_parallel", "planner", "bench", "models", "data_parallel", "data",
+    "pipeline_parallel", "planner", "bench", "models", "data_parallel", "data", "accounting",
     "parallel", "combined", "train",
 }
 

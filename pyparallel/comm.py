@@ -2,10 +2,8 @@
 
 Why one module (DESIGN.md, principle 3):
 
-* **Accounting.** Each call is counted per op and per mesh axis: calls, payload bytes and wire bytes.
-  Wire bytes follow the bus-bandwidth convention of nccl-tests: all-reduce moves 2(N-1)/N of the
-  payload per rank, all-gather and reduce-scatter (N-1)/N of the full (gathered / unscattered) tensor,
-  broadcast and point-to-point 1x. ``comm_stats()`` returns the totals, ``reset_comm_stats()`` zeroes them.
+* **Accounting.** Each call is counted per op and per mesh axis (calls, payload and wire bytes) in
+  ``pyparallel/accounting.py``; ``comm_stats()`` returns the totals, ``reset_comm_stats()`` zeroes them.
 * **Bounded waits.** Groups are created with a timeout; a collective that does not complete in time
   raises :class:`CollectiveTimeoutError` naming the op, the group, its ranks and this rank, instead of
   hanging or aborting the process.
@@ -22,15 +20,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import threading
 import zlib
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from pyparallel import device
+from pyparallel import accounting, device
+from pyparallel.accounting import comm_stats, reset_comm_stats  # noqa: F401  (re-exported)
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -112,58 +109,9 @@ def new_group(ranks, name: str, timeout_s: float = DEFAULT_TIMEOUT_S, backend: s
 
 # ------------------------------------------------------------------------------------------ accounting
 
-_lock = threading.Lock()
-_stats: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])  # calls, payload, wire
-
-
-def _wire_factor(op: str, n: int) -> float:
-    if n <= 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if op == "recv":
-        return 0.0  # a received message is its sender's wire traffic; count it once, there
-    return 1.0  # broadcast, send
-
 
 def _account(op: str, group: Group, payload_bytes: int) -> None:
-    with _lock:
-        entry = _stats[(op, group.name)]
-        entry[0] += 1
-        entry[1] += int(payload_bytes)
-        entry[2] += int(round(payload_bytes * _wire_factor(op, group.size)))
-
-
-def reset_comm_stats() -> None:
-    """Zero every counter (call at the start of the step you want to measure)."""
-    with _lock:
-        _stats.clear()
-
-
-def comm_stats() -> dict:
-    """This rank's traffic since the last reset.
-
-    Returns ``{"total": {...}, "by_op": {op: {...}}, "by_axis": {axis: {...}}, "by_op_axis": {"op@axis":
-    {...}}}`` where each leaf is ``{"calls", "payload_bytes", "wire_bytes"}``.
-    """
-
-    def leaf():
-        return {"calls": 0, "payload_bytes": 0, "wire_bytes": 0}
-
-    out = {"total": leaf(), "by_op": defaultdict(leaf), "by_axis": defaultdict(leaf), "by_op_axis": {}}
-    with _lock:
-        items = list(_stats.items())
-    for (op, axis), (calls, payload, wire) in items:
-        for bucket in (out["total"], out["by_op"][op], out["by_axis"][axis]):
-            bucket["calls"] += calls
-            bucket["payload_bytes"] += payload
-            bucket["wire_bytes"] += wire
-        out["by_op_axis"][f"{op}@{axis}"] = {"calls": calls, "payload_bytes": payload, "wire_bytes": wire}
-    out["by_op"] = dict(out["by_op"])
-    out["by_axis"] = dict(out["by_axis"])
-    return out
+    accounting.account(op, group.name, group.size, payload_bytes)
 
 
 # ------------------------------------------------------------------------------------ errors, timeouts
