@@ -253,6 +253,38 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bo
     return _run("all_reduce", group, nbytes, issue, async_op, fp_tensor=tensor)
 
 
+# gloo's all-gather (ring, through intermediate buffers) is the slowest way it has to move the bytes: N
+# concurrent one-to-all broadcasts, each rank's slice straight into its place in the output, send and receive
+# the same (N-1)/N of the output per rank and measured 1.5-1.7x faster (wall) at 15 MB on 2 and 4 ranks over
+# loopback, with ~35% less CPU time. Below ~256 KiB the N message latencies cost more than the copies save.
+_GLOO_BCAST_GATHER_BYTES = 256 * 1024
+
+
+class _Works:
+    """Several backend works completed together (one collective issued as a few calls)."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait() if timeout is None else w.wait(timeout=timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+def _gather_by_broadcasts(output: torch.Tensor, tensor: torch.Tensor, group: Group) -> _Works:
+    slots = output.view(group.size, -1)
+    mine = slots[group.rank]
+    src = tensor.reshape(-1)
+    if src.data_ptr() != mine.data_ptr():
+        mine.copy_(src)
+    return _Works([dist.broadcast(slots[i], group.ranks[i], group=group.pg, async_op=True)
+                   for i in range(group.size)])
+
+
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Group, async_op: bool = False):
     """Gather equal-sized ``tensor`` from every rank into ``output`` (size N x tensor, rank order)."""
     if output.numel() != tensor.numel() * group.size:
@@ -263,6 +295,8 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Group, async_o
     _same_dtype("all_gather", group, output, tensor)
 
     def issue():
+        if group.backend == "gloo" and output.numel() * output.element_size() >= _GLOO_BCAST_GATHER_BYTES:
+            return _gather_by_broadcasts(output, tensor, group), None
         work = _try_native(
             "all_gather_single",
             group,

@@ -10,6 +10,7 @@ from pyparallel import comm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 SIZES = {"even": 12, "uneven": 13, "empty": 0}
+LARGE = 70_001  # elements per rank: over 256 KiB of all-gather output at every dtype and world >= 2
 
 
 def _value(rank, n, dtype):
@@ -45,11 +46,20 @@ def conformance_body():
                 expect = _expected(op, world, n, torch.float64) + shift
                 torch.testing.assert_close(out, expect.to(dtype), rtol=0, atol=0,
                                            msg=f"reduce_scatter {op} {dtype} {label}")
-            mine = _value(rank, n, dtype)
-            gathered = torch.empty(world * n, dtype=dtype)
-            comm.all_gather(gathered, mine, g)
-            torch.testing.assert_close(gathered, torch.cat([_value(r, n, dtype) for r in range(world)]),
-                                       rtol=0, atol=0, msg=f"all_gather {dtype} {label}")
+            for m in (n, LARGE):  # LARGE takes gloo's path through broadcasts (comm._GLOO_BCAST_GATHER_BYTES)
+                mine = _value(rank, m, dtype)
+                expect = torch.cat([_value(r, m, dtype) for r in range(world)])
+                gathered = torch.empty(world * m, dtype=dtype)
+                comm.all_gather(gathered, mine, g)
+                torch.testing.assert_close(gathered, expect, rtol=0, atol=0, msg=f"all_gather {dtype} {m}")
+                inplace = torch.zeros(world * m, dtype=dtype)  # input already in its slot of the output
+                inplace.view(world, -1)[rank].copy_(mine)
+                comm.all_gather(inplace, inplace.view(world, -1)[rank], g, async_op=True).wait()
+                torch.testing.assert_close(inplace, expect, rtol=0, atol=0, msg=f"in-place all_gather {m}")
+                strided = torch.stack([mine, mine]).t()[:, 1]  # a non-contiguous input
+                gathered.zero_()
+                comm.all_gather(gathered, strided, g)
+                torch.testing.assert_close(gathered, expect, rtol=0, atol=0, msg=f"strided all_gather {m}")
             for src in range(world):
                 b = _value(rank, n, dtype)
                 comm.broadcast(b, src, g)

@@ -1,5 +1,5 @@
 """ZeRO's model-state bytes per rank match the paper's formulas; its bytes per step are 2Ψ (stages 1-2) and
-3Ψ (stage 3).
+3Ψ (stage 3; less the last unit of the forward, whose weights stay gathered into the backward).
 
 Memory (Rajbhandari et al. 2020, figure 1): with Ψ parameters, N ranks and mixed-precision Adam, DDP holds
 16Ψ, ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N. The paper reduces and stores gradients in the
@@ -104,7 +104,8 @@ def comm_body(tie):
         eng = model.engine
         units = [lay.padded for lay in eng.layouts]
         root = eng.root.layout.padded if stage == 3 and eng.root is not None else 0
-        out[stage] = (stats, units, root)
+        last = sum(eng.layouts[i].padded for i in eng._keep) if stage == 3 else 0  # gathered from forward to backward
+        out[stage] = (stats, units, root, last)
     ddp = pyparallel.DataParallel(cfg_model(), mesh)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     pyparallel.reset_comm_stats()
@@ -118,15 +119,16 @@ def test_bytes_per_step(world):
     for tie in (False, True):
         out, psi = run(comm_body, world, tie)[0]
         for stage in (1, 2, 3):
-            stats, units, root = out[stage]
+            stats, units, root, last = out[stage]
             psi_pad = sum(units)
             assert set(stats) == {"reduce_scatter@dp", "all_gather@dp"}, stats  # nothing else per step
             rs, ag = stats["reduce_scatter@dp"], stats["all_gather@dp"]
             assert rs["payload_bytes"] == 4 * psi_pad  # every gradient element reduced once
             gathers = 1 if stage < 3 else 2  # stage 3: before forward and again before backward
-            assert ag["payload_bytes"] == 4 * (gathers * psi_pad - (root if stage == 3 else 0))
+            assert ag["payload_bytes"] == 4 * (gathers * psi_pad - root - last)
             if stage == 3 and not tie:
-                assert root == 0 and rs["payload_bytes"] + ag["payload_bytes"] == 3 * 4 * psi_pad  # 3Ψ
+                assert root == 0 and 0 < last < psi_pad / 2
+                assert rs["payload_bytes"] + ag["payload_bytes"] == 4 * (3 * psi_pad - last)  # 3Ψ less one unit
             if stage < 3:
                 assert rs["payload_bytes"] + ag["payload_bytes"] == 2 * 4 * psi_pad  # 2Ψ
             for op in (rs, ag):

@@ -17,7 +17,9 @@ by each gather; with the optimizer offloaded, a compute-dtype copy instead). Its
    this rank's gradient shard, and let the full gradient go.
 
 Per step each rank therefore moves two all-gathers and one reduce-scatter of every unit, 3Ψ (ZeRO
-section 7.2.2), except the root unit, which is gathered once and kept until its backward.
+section 7.2.2), except the root unit, which is gathered once and kept until its backward, and the last
+units of the forward (the last block and anything small after it), whose weights stay gathered into the
+backward that starts with them.
 
 Gradient accumulation adds each micro-batch's reduce-scatter into the shard (one reduce-scatter per
 micro-batch; ``no_sync`` does not defer it). Parameters may only be read inside their unit's forward (they
@@ -117,6 +119,7 @@ class Stage3Engine:
         self._pass: list[_Gathered] | None = None
         order = [u.index for u in self.units if u is not self.root]
         self._next_unit = dict(zip(order, order[1:]))
+        self._keep = self._tail_to_keep(order)
         self._round_active = False
         self._touched: list[_Gathered] = []
         self.updater = None
@@ -210,6 +213,8 @@ class Stage3Engine:
             self._drop_unused_prefetches()
         if len(order) > 1:
             self._next_unit = dict(zip(order, order[1:]))
+        if order:
+            self._keep = self._tail_to_keep(order)
         if root_record is not None:
             self._unbind(self.root)
             needs_grad = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -235,6 +240,21 @@ class Stage3Engine:
 
         return hook
 
+    def _tail_to_keep(self, order: list[int]) -> frozenset[int]:
+        """The units at the end of the forward order are the first of the backward: their weights stay
+        gathered from their forward into their backward instead of being gathered again a moment later.
+        The tail runs back to the last unit of at least half the biggest unit's size (the last transformer
+        block, after small ones such as a final norm), so at most about one extra unit is alive when the
+        backward starts; ``memory_parts`` counts it."""
+        sizes = {u.index: u.layout.padded for u in self.units if u is not self.root}
+        biggest = max(sizes.values(), default=0)
+        keep = []
+        for i in reversed(order):
+            keep.append(i)
+            if 2 * sizes[i] >= biggest:
+                break
+        return frozenset(keep)
+
     def _unbind(self, unit: _Unit) -> None:
         """Outside its forward a unit's parameters read as None (their storage is freed; autograd keeps its
         own references to the views it saved)."""
@@ -245,13 +265,16 @@ class Stage3Engine:
     def _hook_post_forward(self, unit: _Unit):
         def hook(module, args, output):
             record = unit.active.pop()
-            free_storage(record.full)
-            if not unit.active:
-                self._unbind(unit)
+            needs_grad = []
             if torch.is_grad_enabled():
                 needs_grad = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-                if needs_grad:
-                    register_multi_grad_hook(needs_grad, self._pre_backward_fn(record), mode="any")
+            keep = bool(needs_grad) and unit.index in self._keep and not unit.active
+            if not keep:
+                free_storage(record.full)
+            if not unit.active:
+                self._unbind(unit)
+            if needs_grad:
+                register_multi_grad_hook(needs_grad, self._pre_backward_fn(record), mode="any")
 
         return hook
 
@@ -347,7 +370,9 @@ class Stage3Engine:
         others = [u.layout.padded for u in self.units if u is not self.root]
         biggest = max(others, default=0)
         in_flight = 2 if self.prefetch else 1
-        buffers = {"gathered_units": in_flight * biggest * cb,
+        kept = sum(self.units[i].layout.padded for i in self._keep)  # alive as the backward starts
+        gathered = max(in_flight * biggest, kept + (biggest if self.prefetch else 0))
+        buffers = {"gathered_units": gathered * cb,
                    "reduce_buckets": self.reducer.max_inflight * biggest * rb}
         if self.param_shard is None:
             buffers["gather_cast_shards"] = in_flight * (biggest // self.group.size) * cb
