@@ -20,11 +20,12 @@ directly, so theirs are their algorithms' payloads: DDP all-reduce Ψ, ZeroRedun
     python benchmarks/zero.py --nprocs 2 --preset bench --steps 10 --json benchmarks/out/zero.json
 
 Targets: stage 1 <= 0.9x ZeroRedundancyOptimizer's step time; stage 3 <= 0.8x FSDP2's with no more
-model-state bytes. Two statistics must both meet a target: the median of per-iteration ratios (each
-iteration times ours and the peer back to back, so slow drifts in machine load cancel) and the ratio of
-median CPU time per step (all threads of the process, gloo's included: the work done, insensitive to
-waiting for a loaded CPU, which on a shared machine dominates wall time). The ratio of median wall times
-is printed beside them.
+model-state bytes. The step-time verdict needs both wall-time statistics within the target: the median of
+per-iteration ratios (each iteration times ours and the peer back to back, so slow drifts in machine load
+cancel) and the ratio of median step times; run it on an otherwise idle machine. The ratio of median CPU
+time per step (all threads of the process, gloo's included: the work done, insensitive to waiting for a
+loaded CPU) is judged separately as a stricter check: it does not credit overlap of communication with
+compute, which is part of what step time measures.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ def report(res, a):
         paired = median([a / b for a, b in zip(res["times"][ours], res["times"][peer])])
         cpu = median(res["cpu_times"][ours]) / median(res["cpu_times"][peer])
         targets[key] = {"ratio_of_medians": med[ours] / med[peer], "median_paired_ratio": paired,
-                        "cpu_time_ratio": cpu, "target": target, "met": paired <= target and cpu <= target}
+                        "cpu_time_ratio": cpu, "target": target,
+                        "met": paired <= target and med[ours] / med[peer] <= target, "cpu_met": cpu <= target}
     targets["stage3_vs_fsdp2_state_bytes"] = {"ratio": mem3 / memf, "target": 1.0, "met": mem3 <= memf}
     return rows, targets
 
@@ -209,8 +211,8 @@ def main():
             print(f"{name}: {t['ratio']:.3f} (target <= {t['target']}) -> {'MET' if t['met'] else 'NOT MET'}")
             continue
         print(f"{name}: median of per-iteration ratios {t['median_paired_ratio']:.3f}, ratio of medians "
-              f"{t['ratio_of_medians']:.3f}, CPU-time ratio {t['cpu_time_ratio']:.3f} (target <= {t['target']}) "
-              f"-> {'MET' if t['met'] else 'NOT MET'}")
+              f"{t['ratio_of_medians']:.3f} (target <= {t['target']}) -> step time {'MET' if t['met'] else 'NOT MET'}; "
+              f"CPU-time ratio {t['cpu_time_ratio']:.3f} -> {'met' if t['cpu_met'] else 'not met'} (stricter check)")
     write_json(a.json, {"config": vars(a), "rows": rows, "targets": targets, "raw": res})
 
 

@@ -15,6 +15,14 @@ SHAPES = [((1,), 1, 1), ((5,), 3, 7), ((3, 37), 129, 23), ((700,), 600, 33), ((2
 close = torch.testing.assert_close
 
 
+@pytest.fixture(params=["blocked", "whole"])
+def backward_path(request, monkeypatch):
+    """The CPU backward has two strategies (column-blocked in cache; whole-matrix GEMMs for tall inputs),
+    chosen by shape; every CPU check runs with each forced."""
+    monkeypatch.setenv("PYPARALLEL_GELU_LINEAR_BACKWARD", request.param)
+    return request.param
+
+
 def _inputs(lead, k, n, dtype, device="cpu", bias=True, seed=0):
     gen = torch.Generator().manual_seed(seed)
     z = torch.randn(*lead, k, generator=gen) * 2
@@ -48,7 +56,7 @@ def test_cpu_kernel_is_registered():
 @pytest.mark.parametrize("approximate", FORMS)
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
 @pytest.mark.parametrize("bias", [True, False])
-def test_fp32_matches_reference(shape, approximate, bias):
+def test_fp32_matches_reference(shape, approximate, bias, backward_path):
     z, b, w, g = _inputs(*shape, torch.float32, bias=bias)
     got, want = _fused(z, b, w, g, approximate), _reference(z, b, w, g, approximate)
     for name, a, e in zip(["y", "dz", "db", "dw"], got, want):
@@ -69,7 +77,7 @@ def _no_worse_than_eager(got, eager, exact, dtype):
 
 @pytest.mark.parametrize("approximate", FORMS)
 @pytest.mark.parametrize("shape", SHAPES[3:], ids=str)
-def test_fp32_long_reductions_as_accurate_as_eager(shape, approximate):
+def test_fp32_long_reductions_as_accurate_as_eager(shape, approximate, backward_path):
     """With hundreds of rows the weight gradient sums hundreds of O(10) products: fp32 rounding alone
     moves near-zero entries by ~5e-5, in the plain-torch reference as much as in the kernel (both are
     that far from float64), so here both are held to the float64 result and the kernel must be at
@@ -83,7 +91,7 @@ def test_fp32_long_reductions_as_accurate_as_eager(shape, approximate):
 @pytest.mark.parametrize("approximate", FORMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES[2:], ids=str)
-def test_low_precision_no_worse_than_eager(shape, dtype, approximate):
+def test_low_precision_no_worse_than_eager(shape, dtype, approximate, backward_path):
     """16-bit: the fused op's error against an fp32 computation on the same (rounded) inputs is no larger
     than eager PyTorch's own 16-bit error (plus a sliver of the output's scale)."""
     z, b, w, g = _inputs(*shape, dtype)
@@ -93,14 +101,14 @@ def test_low_precision_no_worse_than_eager(shape, dtype, approximate):
 
 
 @pytest.mark.parametrize("approximate", FORMS)
-def test_gradcheck_float64(approximate):
+def test_gradcheck_float64(approximate, backward_path):
     z, b, w, _ = _inputs((2, 3), 5, 4, torch.float64)
     args = [t.requires_grad_() for t in (z, b, w)]
     assert torch.autograd.gradcheck(lambda z_, b_, w_: _ops.gelu_linear(z_, b_, w_, approximate), args)
     assert torch.autograd.gradcheck(lambda z_, w_: _ops.gelu_linear(z_, None, w_, approximate), [args[0], args[2]])
 
 
-def test_only_some_inputs_need_grad():
+def test_only_some_inputs_need_grad(backward_path):
     z, b, w, g = _inputs((4, 9), 11, 6, torch.float32)
     want = _reference(z, b, w, g, "tanh")
     wl = w.clone().requires_grad_()

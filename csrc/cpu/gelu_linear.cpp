@@ -7,7 +7,9 @@
 // the matmul reads it back, and autograd keeps gelu(z + b) alive until backward. Here the forward computes
 // gelu for a block of rows into a small buffer that stays in cache and multiplies it at once (ATen's
 // GEMM), so the full activation is never written; the backward recomputes gelu (and gelu') for a block of
-// columns at a time from the saved z. Autograd therefore keeps only z: half the MLP's [M, K] activations.
+// columns at a time from the saved z (for tall inputs, whose column blocks would be too narrow, it recomputes
+// gelu whole into a transient buffer instead and runs the GEMMs unsplit). Either way autograd keeps only z:
+// half the MLP's [M, K] activations. PYPARALLEL_GELU_LINEAR_BACKWARD=blocked|whole forces one (tests).
 //
 // The elementwise math runs on float rows with polynomial exp/erf that the compiler vectorizes (one clone
 // per ISA level, chosen at load time); double uses the C library for gradcheck-grade accuracy.
@@ -20,6 +22,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -384,6 +387,73 @@ void backward_impl(const at::Tensor& gy, const at::Tensor& z, const std::vector<
   }
 }
 
+// Unblocked, for problems whose column blocks would not stay in cache anyway: recompute a = gelu(z + b)
+// into one transient [M, K] buffer (freed on return: autograd still saved only z), run the two GEMMs whole
+// (ATen threads them at full efficiency), then turn dA into dZ in place, recomputing gelu' row by row.
+// Two elementwise passes over [M, K] in memory instead of cache, but no skinny GEMMs.
+template <typename T>
+void backward_whole(const at::Tensor& gy, const at::Tensor& z, const std::vector<acc_t<T>>& b, const at::Tensor& w,
+                    bool tanh_form, std::array<bool, 3> mask, Grads& out) {
+  using A = acc_t<T>;
+  const int64_t m = z.size(0), k = z.size(1);
+  const bool need_dz = mask[0] || mask[1];
+  const T* zp = z.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / k);  // rows per task: ~32k elements
+  if (mask[2]) {
+    auto a = at::empty({m, k}, z.options());
+    T* ap = a.data_ptr<T>();
+    at::parallel_for(0, m, grain, [&](int64_t lo, int64_t hi) {
+      std::vector<A> scratch(std::is_same_v<T, A> ? 0 : 2 * k);
+      for (int64_t r = lo; r < hi; ++r) {
+        const A* zr = load_row<T>(zp + r * k, scratch.data(), k);
+        A* ar = std::is_same_v<T, A> ? reinterpret_cast<A*>(ap + r * k) : scratch.data() + k;
+        gelu_row<A>(zr, b.data(), ar, nullptr, k, tanh_form);
+        store_row<T>(ar, ap + r * k, k);
+      }
+    });
+    at::mm_out(out.dw, gy.t(), a);  // [N, M] @ [M, K]
+  }
+  if (!need_dz) return;
+  at::mm_out(out.dz, gy, w);  // dA = [M, N] @ [N, K], into the dZ buffer
+  T* dzp = out.dz.template data_ptr<T>();
+  // Column sums per task of `grain` rows, added in task order: the bias gradient does not depend on how
+  // tasks land on threads.
+  const int64_t tasks = (m + grain - 1) / grain;
+  std::vector<A> partial(tasks * k, A(0));
+  at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<A> scratch(3 * k);
+    A* act = scratch.data();  // gelu(z + b), then this row's dZ
+    A* grad = act + k;        // gelu'(z + b)
+    A* conv = grad + k;       // a converted input row (bf16 / fp16)
+    for (int64_t task = lo; task < hi; ++task) {
+      for (int64_t r = task * grain; r < std::min(m, (task + 1) * grain); ++r) {
+        gelu_row<A>(load_row<T>(zp + r * k, conv, k), b.data(), act, grad, k, tanh_form);
+        mul_accumulate(load_row<T>(dzp + r * k, conv, k), grad, act, partial.data() + task * k, k);
+        store_row<T>(act, dzp + r * k, k);
+      }
+    }
+  });
+  if (mask[1]) {
+    std::vector<A> db(k, A(0));
+    for (int64_t t = 0; t < tasks; ++t)  // serial: tasks x k additions, small next to the GEMMs
+      for (int64_t i = 0; i < k; ++i) db[i] += partial[t * k + i];
+    auto db_t = at::from_blob(db.data(), {k}, at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value));
+    out.db.copy_(db_t);
+  }
+}
+
+// The column-blocked backward keeps its buffers in cache and wins while they fit and the GEMMs stay small;
+// beyond that the whole-matrix GEMMs win (benchmarks/tensor_parallel.py measures both sides).
+bool use_whole_backward(int64_t m, int64_t k) {
+  if (const char* force = std::getenv("PYPARALLEL_GELU_LINEAR_BACKWARD")) {
+    if (std::strcmp(force, "whole") == 0) return true;
+    if (std::strcmp(force, "blocked") == 0) return false;
+  }
+  // Blocked runs best with full-width (512-column) blocks; taller problems force narrower blocks (128-256
+  // columns at M = 4096-8192), whose skinny GEMMs measured 3-30% slower than the whole-matrix path.
+  return block_of(m, 128, 512, 16, kBackwardBytes) < std::min<int64_t>(k, 512);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_linear_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& z, const std::optional<at::Tensor>& bias,
     const at::Tensor& weight, c10::string_view approximate, std::array<bool, 3> output_mask) {
@@ -413,7 +483,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_linear_backward_cpu(
     return {g.dz, g.db, g.dw};
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "gelu_linear_backward_cpu", [&] {
-    backward_impl<scalar_t>(gy, z2, bias_acc<scalar_t>(bias, k), w, tanh_form, mask, work);
+    if (use_whole_backward(z2.size(0), k)) {
+      backward_whole<scalar_t>(gy, z2, bias_acc<scalar_t>(bias, k), w, tanh_form, mask, work);
+    } else {
+      backward_impl<scalar_t>(gy, z2, bias_acc<scalar_t>(bias, k), w, tanh_form, mask, work);
+    }
   });
   return {g.dz, g.db, g.dw};
 }
