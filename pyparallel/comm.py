@@ -285,6 +285,44 @@ def _gather_by_broadcasts(output: torch.Tensor, tensor: torch.Tensor, group: Gro
                    for i in range(group.size)])
 
 
+# gloo's reduce-scatter is an all-reduce of a clone (2(N-1)/N of the input on the wire per rank, twice the
+# algorithm's minimum). A direct exchange (rank r sends slice j to rank j and receives slice r from every peer,
+# then adds them in rank order) moves (N-1)/N: measured 1.7x faster (wall) at 15 MB on 2 ranks over loopback,
+# with ~45% less CPU time.
+_GLOO_EXCHANGE_RS_BYTES = 256 * 1024
+_COMBINE = {"sum": torch.Tensor.add_, "avg": torch.Tensor.add_, "max": lambda a, b: torch.maximum(a, b, out=a),
+            "min": lambda a, b: torch.minimum(a, b, out=a), "product": torch.Tensor.mul_}
+
+
+def _gloo_exchange(tensor: torch.Tensor, nbytes: int) -> bool:
+    return nbytes >= _GLOO_EXCHANGE_RS_BYTES and tensor.dtype != torch.bool
+
+
+def _reduce_scatter_by_exchange(out: torch.Tensor, flat: torch.Tensor, group: Group, op: str):
+    """Start the exchange; returns (works, finish) where ``finish`` combines the received slices into
+    ``out`` (which may be ``flat``'s own slice r: nothing else of ``flat`` is written)."""
+    n, r = group.size, group.rank
+    slices = flat.view(n, -1)
+    peers = [j for j in range(n) if j != r]
+    received = torch.empty((n - 1, slices.shape[1]), dtype=flat.dtype, device=flat.device)
+    tag = group.seq % (1 << 24)  # the same on every rank: this exchange's messages match only each other
+    works = []
+    for k, j in enumerate(peers):
+        works.append(dist.isend(slices[j], group.ranks[j], group=group.pg, tag=tag))
+        works.append(dist.irecv(received[k], group.ranks[j], group=group.pg, tag=tag))
+
+    def finish():
+        mine = out.view(-1)
+        if mine.data_ptr() != slices[r].data_ptr():
+            mine.copy_(slices[r])
+        for k in range(n - 1):  # peers in rank order: the result does not depend on arrival order
+            _COMBINE[op](mine, received[k])
+        if op == "avg":
+            mine.div_(n)
+
+    return _Works(works), finish
+
+
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Group, async_op: bool = False):
     """Gather equal-sized ``tensor`` from every rank into ``output`` (size N x tensor, rank order)."""
     if output.numel() != tensor.numel() * group.size:
@@ -324,6 +362,9 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Group, op:
     red = _op(op)
 
     def issue():
+        if group.backend == "gloo" and _gloo_exchange(tensor, tensor.numel() * tensor.element_size()):
+            return _reduce_scatter_by_exchange(output, tensor.reshape(-1), group, op)
+
         def native(reduce_op):
             return lambda: _reduce_scatter_single()(output, tensor, op=reduce_op, group=group.pg, async_op=True)
 
@@ -354,9 +395,9 @@ def reduce_scatter_in_place(tensor: torch.Tensor, group: Group, op: str = "sum",
     """Reduce-scatter whose input the caller gives up: the reduced slice r is left in slice r of ``tensor``
     (N equal slices); the other slices are undefined afterwards. Accounted as a reduce-scatter.
 
-    NCCL reduce-scatters in place. gloo's reduce-scatter clones its input, all-reduces the clone and copies
-    one chunk out; here it all-reduces ``tensor`` itself, which skips both copies (ZeRO's gradient buckets
-    are scratch once reduced)."""
+    NCCL reduce-scatters in place. On gloo, inputs of 256 KiB and more are reduced by direct exchange
+    (see ``_reduce_scatter_by_exchange``); smaller ones by an all-reduce of ``tensor`` itself, which skips
+    the clone and copy of gloo's own reduce-scatter (ZeRO's gradient buckets are scratch once reduced)."""
     n = group.size
     if tensor.numel() % n:
         raise ValueError(f"reduce_scatter_in_place on group '{group.name}': {tensor.numel()} elements do not "
@@ -366,6 +407,8 @@ def reduce_scatter_in_place(tensor: torch.Tensor, group: Group, op: str = "sum",
     mine = flat.view(n, -1)[group.rank]
 
     def issue():
+        if group.backend == "gloo" and _gloo_exchange(tensor, nbytes):
+            return _reduce_scatter_by_exchange(mine, flat, group, op)
         if group.backend == "gloo":
             if op != "avg":
                 return dist.all_reduce(flat, red, group=group.pg, async_op=True), None

@@ -387,10 +387,11 @@ void backward_impl(const at::Tensor& gy, const at::Tensor& z, const std::vector<
   }
 }
 
-// Unblocked, for problems whose column blocks would not stay in cache anyway: recompute a = gelu(z + b)
-// into one transient [M, K] buffer (freed on return: autograd still saved only z), run the two GEMMs whole
-// (ATen threads them at full efficiency), then turn dA into dZ in place, recomputing gelu' row by row.
-// Two elementwise passes over [M, K] in memory instead of cache, but no skinny GEMMs.
+// Unblocked, for problems whose column blocks would not stay in cache anyway: dA = dY @ W as one GEMM
+// straight into the dZ buffer, then one elementwise pass that recomputes a = gelu(z + b) and gelu' from z,
+// turns dA into dZ in place (with the bias gradient's column sums) and writes a into a transient [M, K]
+// buffer (freed on return: autograd still saved only z) for the second whole GEMM, dW = dY^T @ a. Both
+// GEMMs run unsplit and multi-threaded; tanh/erf is evaluated once per element.
 template <typename T>
 void backward_whole(const at::Tensor& gy, const at::Tensor& z, const std::vector<acc_t<T>>& b, const at::Tensor& w,
                     bool tanh_form, std::array<bool, 3> mask, Grads& out) {
@@ -398,41 +399,35 @@ void backward_whole(const at::Tensor& gy, const at::Tensor& z, const std::vector
   const int64_t m = z.size(0), k = z.size(1);
   const bool need_dz = mask[0] || mask[1];
   const T* zp = z.data_ptr<T>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / k);  // rows per task: ~32k elements
-  if (mask[2]) {
-    auto a = at::empty({m, k}, z.options());
-    T* ap = a.data_ptr<T>();
-    at::parallel_for(0, m, grain, [&](int64_t lo, int64_t hi) {
-      std::vector<A> scratch(std::is_same_v<T, A> ? 0 : 2 * k);
-      for (int64_t r = lo; r < hi; ++r) {
-        const A* zr = load_row<T>(zp + r * k, scratch.data(), k);
-        A* ar = std::is_same_v<T, A> ? reinterpret_cast<A*>(ap + r * k) : scratch.data() + k;
-        gelu_row<A>(zr, b.data(), ar, nullptr, k, tanh_form);
-        store_row<T>(ar, ap + r * k, k);
-      }
-    });
-    at::mm_out(out.dw, gy.t(), a);  // [N, M] @ [M, K]
-  }
-  if (!need_dz) return;
-  at::mm_out(out.dz, gy, w);  // dA = [M, N] @ [N, K], into the dZ buffer
-  T* dzp = out.dz.template data_ptr<T>();
-  // Column sums per task of `grain` rows, added in task order: the bias gradient does not depend on how
-  // tasks land on threads.
+  at::Tensor a = mask[2] ? at::empty({m, k}, z.options()) : at::Tensor();
+  T* ap = mask[2] ? a.data_ptr<T>() : nullptr;
+  T* dzp = need_dz ? out.dz.template data_ptr<T>() : nullptr;
+  if (need_dz) at::mm_out(out.dz, gy, w);  // dA = [M, N] @ [N, K], into the dZ buffer
+  // Tasks of `grain` rows; each keeps its own column sums, added in task order afterwards, so the bias
+  // gradient does not depend on how tasks land on threads.
+  const int64_t grain = std::max<int64_t>(1, 32768 / k);
   const int64_t tasks = (m + grain - 1) / grain;
-  std::vector<A> partial(tasks * k, A(0));
+  std::vector<A> partial(mask[1] ? tasks * k : 0, A(0));
   at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<A> scratch(3 * k);
-    A* act = scratch.data();  // gelu(z + b), then this row's dZ
+    std::vector<A> scratch(4 * k);
+    A* act = scratch.data();  // gelu(z + b)
     A* grad = act + k;        // gelu'(z + b)
-    A* conv = grad + k;       // a converted input row (bf16 / fp16)
+    A* dzr = grad + k;        // this row's dZ
+    A* conv = dzr + k;        // a converted input row (bf16 / fp16)
+    std::vector<A> discard(mask[1] ? 0 : k);
     for (int64_t task = lo; task < hi; ++task) {
+      A* colsum = mask[1] ? partial.data() + task * k : discard.data();
       for (int64_t r = task * grain; r < std::min(m, (task + 1) * grain); ++r) {
-        gelu_row<A>(load_row<T>(zp + r * k, conv, k), b.data(), act, grad, k, tanh_form);
-        mul_accumulate(load_row<T>(dzp + r * k, conv, k), grad, act, partial.data() + task * k, k);
-        store_row<T>(act, dzp + r * k, k);
+        gelu_row<A>(load_row<T>(zp + r * k, conv, k), b.data(), act, need_dz ? grad : nullptr, k, tanh_form);
+        if (mask[2]) store_row<T>(act, ap + r * k, k);
+        if (need_dz) {
+          mul_accumulate(load_row<T>(dzp + r * k, conv, k), grad, dzr, colsum, k);
+          store_row<T>(dzr, dzp + r * k, k);
+        }
       }
     }
   });
+  if (mask[2]) at::mm_out(out.dw, gy.t(), a);  // [N, M] @ [M, K]
   if (mask[1]) {
     std::vector<A> db(k, A(0));
     for (int64_t t = 0; t < tasks; ++t)  // serial: tasks x k additions, small next to the GEMMs
