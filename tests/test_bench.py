@@ -134,6 +134,16 @@ def test_names_and_layouts():
     assert [s.name for s in S.parse("ddp,single,ddp", 2)] == ["ddp", "single"]
 
 
+def test_peers_are_timed_alternating_with_our_strategy():
+    from pyparallel.bench.runner import timing_groups
+
+    groups = [[s.name for s in g] for g in timing_groups(S.parse("single,ddp,zero3,torch-zero1", 2, peers=False))]
+    assert groups == [["single"], ["ddp"], ["zero3"], ["torch-zero1"]]  # zero1 not asked for: alone
+    groups = [[s.name for s in g] for g in timing_groups(S.parse("ddp,zero3", 2, peers=True))]
+    assert groups[:2] == [["ddp", "torch-ddp"], ["zero3", "torch-fsdp2"]]
+    assert sum(len(g) for g in groups) == len(S.parse("ddp,zero3", 2, peers=True))  # every spec exactly once
+
+
 def test_prediction_is_the_planner_in_fp32():
     cfg = gpt_config("small-test")
     spec = predict.model_spec(cfg)

@@ -107,51 +107,101 @@ def two_passes(config: BenchConfig) -> bool:
     return config.device == "cpu" and config.warmup > 0
 
 
+class _Run:
+    """One strategy being measured: its adapter and the record its steps fill in."""
+
+    def __init__(self, spec: StrategySpec, base, cfg, config: BenchConfig, memory: bool):
+        from pyparallel.bench import measure
+
+        self.spec, self.memory = spec, memory
+        self.peak = measure.PeakMemory(base.device)
+        if memory:
+            self.peak.baseline()
+        self.t0 = time.perf_counter()
+        self.adapter, error = _build(spec, base, cfg, config)
+        self.record = {"strategy": spec.name, "rank": base.rank, "skipped": error,
+                       "build_s": time.perf_counter() - self.t0}
+        if self.adapter is None:
+            return
+        mesh, single = self.adapter.mesh, spec.world == 1  # the reference runs whole on every rank: "replica 0"
+        self.record["coords"] = {"dp": 0 if single else mesh.dp_rank, "tp": 0 if single else mesh.tp_rank,
+                                 "pp": 0 if single else mesh.pp_rank}
+        self.times, self.losses, self.wire, self.by_axis = [], [], [], {}
+        if memory:
+            self.peak.start()
+
+    def step(self, i: int, idx, tgt, base, config: BenchConfig) -> None:
+        import pyparallel
+        from pyparallel import comm
+        from pyparallel.bench import measure
+
+        if i == config.warmup:
+            self.adapter.timing_starts()
+        comm.barrier(base.world_group)
+        pyparallel.reset_comm_stats()
+        with measure.StepTimer(base.device) as timer:
+            loss = self.adapter.step(idx, tgt)
+        stats = pyparallel.comm_stats()
+        self.losses.append(None if loss is None else float(loss))
+        if i >= config.warmup:
+            self.times.append(timer.seconds)
+            self.wire.append(sent_bytes(stats))
+            self.by_axis = sent_by_axis(stats)
+
+    def finish(self) -> dict:
+        from pyparallel.bench import measure
+
+        if self.adapter is not None:
+            self.record.update(times=self.times, losses=self.losses, wire_bytes=self.wire,
+                               wire_by_axis=self.by_axis, stats=self.adapter.stats())
+            if self.memory:
+                self.record.update(peak_bytes=self.peak.peak_bytes(), states=self.adapter.model_states())
+            self.adapter = None
+            measure.settle()
+        self.record["wall_s"] = time.perf_counter() - self.t0
+        return self.record
+
+
 def run_strategy(spec: StrategySpec, base, cfg, config: BenchConfig, batches, progress, *,
                  memory: bool = True) -> dict:
     """Build ``spec``, run ``batches`` and record what they show. ``memory``: measure the peak over these
     steps (from a baseline taken before the build) and the model states after them."""
-    import pyparallel
-    from pyparallel import comm
-    from pyparallel.bench import measure
+    return run_alternating([spec], base, cfg, config, batches, progress, memory=memory)[0]
 
-    dev = base.device
-    peak = measure.PeakMemory(dev)
-    if memory:
-        peak.baseline()
-    t0 = time.perf_counter()
-    adapter, error = _build(spec, base, cfg, config)
-    record = {"strategy": spec.name, "rank": base.rank, "skipped": error, "build_s": time.perf_counter() - t0}
-    if adapter is None:
-        progress(spec.name, len(batches))
-        return record
-    mesh, single = adapter.mesh, spec.world == 1  # the reference runs whole on every rank: "replica 0"
-    record["coords"] = {"dp": 0 if single else mesh.dp_rank, "tp": 0 if single else mesh.tp_rank,
-                        "pp": 0 if single else mesh.pp_rank}
-    times, losses, wire, by_axis = [], [], [], {}
-    if memory:
-        peak.start()
+
+def run_alternating(specs: list[StrategySpec], base, cfg, config: BenchConfig, batches, progress, *,
+                    memory: bool = False) -> list[dict]:
+    """Build every strategy of ``specs`` and step them in turn on each batch, rotating which goes first, so
+    that drifts in machine load (other jobs, frequency, heat) fall on all of them alike and the ratios of
+    their step times can be quoted. One record per spec, in order."""
+    runs = [_Run(spec, base, cfg, config, memory) for spec in specs]
+    live = [r for r in runs if r.adapter is not None]
+    for r in runs:
+        if r.adapter is None:
+            progress(r.spec.name, len(batches))
     for i, (idx, tgt) in enumerate(batches):
-        if i == config.warmup:
-            adapter.timing_starts()
-        comm.barrier(base.world_group)
-        pyparallel.reset_comm_stats()
-        with measure.StepTimer(dev) as timer:
-            loss = adapter.step(idx, tgt)
-        stats = pyparallel.comm_stats()
-        losses.append(None if loss is None else float(loss))
-        if i >= config.warmup:
-            times.append(timer.seconds)
-            wire.append(sent_bytes(stats))
-            by_axis = sent_by_axis(stats)
-        progress(spec.name, 1)
-    record.update(times=times, losses=losses, wire_bytes=wire, wire_by_axis=by_axis, stats=adapter.stats())
-    if memory:
-        record.update(peak_bytes=peak.peak_bytes(), states=adapter.model_states())
-    del adapter
-    measure.settle()
-    record["wall_s"] = time.perf_counter() - t0
-    return record
+        k = i % max(len(live), 1)
+        for r in live[k:] + live[:k]:
+            r.step(i, idx, tgt, base, config)
+            progress(r.spec.name, 1)
+    return [r.finish() for r in runs]
+
+
+def timing_groups(specs) -> list[list[StrategySpec]]:
+    """Each of our strategies with the PyTorch peers measured against it (alternating, see
+    :func:`run_alternating`); any other strategy alone. In the order of ``specs``."""
+    peers: dict[str, list[StrategySpec]] = {}
+    for s in specs:
+        if s.is_peer:
+            peers.setdefault(s.peer_of, []).append(s)
+    ours = {s.name for s in specs if not s.is_peer}
+    groups = []
+    for s in specs:
+        if not s.is_peer:
+            groups.append([s] + peers.get(s.name, []))
+        elif s.peer_of not in ours:  # its counterpart was not asked for: measured alone
+            groups.append([s])
+    return groups
 
 
 def worker(config: BenchConfig, queue=None) -> list[dict]:
@@ -160,7 +210,9 @@ def worker(config: BenchConfig, queue=None) -> list[dict]:
     On a CPU the resident-set peak needs glibc in precise mode, which slows every step by its page faults
     and, once fast mode has run, stays disturbed by the heap fast mode leaves behind. So with warm-up
     steps there are two passes: first every strategy's warm-up steps in precise mode (peak memory and
-    model states), then every strategy again from scratch in fast mode (losses, times, traffic, bubble).
+    model states), then every strategy again from scratch in fast mode (losses, times, traffic, bubble),
+    where each of our strategies runs alternately with its PyTorch peers (``--peers``). Without the
+    memory pass (a GPU, or no warm-up) strategies run one after another, so peers' ratios are sequential.
     """
     import pyparallel
     from pyparallel.bench import measure
@@ -184,11 +236,16 @@ def worker(config: BenchConfig, queue=None) -> list[dict]:
     specs = config.strategies
     if not two_passes(config):
         return [run_strategy(spec, base, cfg, config, batches, progress) for spec in specs]
-    memory = [run_strategy(spec, base, cfg, config, batches[:config.warmup], progress) for spec in specs]
+    memory = {spec.name: run_strategy(spec, base, cfg, config, batches[:config.warmup], progress)
+              for spec in specs}
     measure.fast_mode()
+    timed = {}
+    for group in timing_groups(specs):
+        for spec, rec in zip(group, run_alternating(group, base, cfg, config, batches, progress)):
+            timed[spec.name] = rec
     out = []
-    for spec, mem in zip(specs, memory):
-        rec = run_strategy(spec, base, cfg, config, batches, progress, memory=False)
+    for spec in specs:
+        rec, mem = timed[spec.name], memory[spec.name]
         if not rec["skipped"]:
             rec.update(peak_bytes=mem.get("peak_bytes"), states=mem.get("states"))
         out.append(rec)
