@@ -253,11 +253,15 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bo
     return _run("all_reduce", group, nbytes, issue, async_op, fp_tensor=tensor)
 
 
-# gloo's all-gather (ring, through intermediate buffers) is the slowest way it has to move the bytes: N
-# concurrent one-to-all broadcasts, each rank's slice straight into its place in the output, send and receive
-# the same (N-1)/N of the output per rank and measured 1.5-1.7x faster (wall) at 15 MB on 2 and 4 ranks over
-# loopback, with ~35% less CPU time. Below ~256 KiB the N message latencies cost more than the copies save.
-_GLOO_BCAST_GATHER_BYTES = 256 * 1024
+# Direct paths for gloo's two slowest collectives, from 256 KiB (below it, the extra message latencies cost
+# more than the copies they save):
+# * all-gather: gloo's ring goes through intermediate buffers; N concurrent one-to-all broadcasts, each rank's
+#   slice straight into its place in the output, move the same (N-1)/N of the output per rank, measured
+#   1.5-1.7x faster (wall) at 15 MB on 2 and 4 ranks over loopback, with ~35% less CPU time;
+# * reduce-scatter: gloo's is an all-reduce of a clone, 2(N-1)/N of the input on the wire per rank, twice the
+#   minimum; a direct exchange (rank r sends slice j to rank j and adds the slices it receives, in rank
+#   order) moves (N-1)/N: 1.7x faster at 15 MB on 2 ranks, with ~45% less CPU time.
+_GLOO_DIRECT_BYTES = 256 * 1024
 
 
 class _Works:
@@ -285,17 +289,14 @@ def _gather_by_broadcasts(output: torch.Tensor, tensor: torch.Tensor, group: Gro
                    for i in range(group.size)])
 
 
-# gloo's reduce-scatter is an all-reduce of a clone (2(N-1)/N of the input on the wire per rank, twice the
-# algorithm's minimum). A direct exchange (rank r sends slice j to rank j and receives slice r from every peer,
-# then adds them in rank order) moves (N-1)/N: measured 1.7x faster (wall) at 15 MB on 2 ranks over loopback,
-# with ~45% less CPU time.
-_GLOO_EXCHANGE_RS_BYTES = 256 * 1024
 _COMBINE = {"sum": torch.Tensor.add_, "avg": torch.Tensor.add_, "max": lambda a, b: torch.maximum(a, b, out=a),
             "min": lambda a, b: torch.minimum(a, b, out=a), "product": torch.Tensor.mul_}
 
 
-def _gloo_exchange(tensor: torch.Tensor, nbytes: int) -> bool:
-    return nbytes >= _GLOO_EXCHANGE_RS_BYTES and tensor.dtype != torch.bool
+def _gloo_direct(group: Group, tensor: torch.Tensor) -> bool:
+    """Take the direct path: gloo, a large tensor, and a dtype whose reduction is arithmetic."""
+    return (group.backend == "gloo" and tensor.numel() * tensor.element_size() >= _GLOO_DIRECT_BYTES
+            and tensor.dtype != torch.bool)
 
 
 def _reduce_scatter_by_exchange(out: torch.Tensor, flat: torch.Tensor, group: Group, op: str):
@@ -333,7 +334,7 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Group, async_o
     _same_dtype("all_gather", group, output, tensor)
 
     def issue():
-        if group.backend == "gloo" and output.numel() * output.element_size() >= _GLOO_BCAST_GATHER_BYTES:
+        if _gloo_direct(group, output):
             return _gather_by_broadcasts(output, tensor, group), None
         work = _try_native(
             "all_gather_single",
@@ -362,7 +363,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Group, op:
     red = _op(op)
 
     def issue():
-        if group.backend == "gloo" and _gloo_exchange(tensor, tensor.numel() * tensor.element_size()):
+        if _gloo_direct(group, tensor):
             return _reduce_scatter_by_exchange(output, tensor.reshape(-1), group, op)
 
         def native(reduce_op):
@@ -407,7 +408,7 @@ def reduce_scatter_in_place(tensor: torch.Tensor, group: Group, op: str = "sum",
     mine = flat.view(n, -1)[group.rank]
 
     def issue():
-        if group.backend == "gloo" and _gloo_exchange(tensor, nbytes):
+        if _gloo_direct(group, tensor):
             return _reduce_scatter_by_exchange(mine, flat, group, op)
         if group.backend == "gloo":
             if op != "avg":

@@ -46,7 +46,7 @@ def conformance_body():
                 expect = _expected(op, world, n, torch.float64) + shift
                 torch.testing.assert_close(out, expect.to(dtype), rtol=0, atol=0,
                                            msg=f"reduce_scatter {op} {dtype} {label}")
-                # LARGE takes gloo's exchange path (comm._GLOO_EXCHANGE_RS_BYTES), out of place and in place.
+                # LARGE takes gloo's exchange path (comm._GLOO_DIRECT_BYTES), out of place and in place.
                 full = torch.cat([_value(rank, LARGE, dtype) + c for c in range(world)])
                 expect = (_expected(op, world, LARGE, torch.float64) + shift).to(dtype)
                 out = torch.empty(LARGE, dtype=dtype)
@@ -56,7 +56,7 @@ def conformance_body():
                 h.wait()
                 torch.testing.assert_close(full.view(world, -1)[rank], expect, rtol=0, atol=0,
                                            msg=f"reduce_scatter_in_place {op} {dtype} large")
-            for m in (n, LARGE):  # LARGE takes gloo's path through broadcasts (comm._GLOO_BCAST_GATHER_BYTES)
+            for m in (n, LARGE):  # LARGE takes gloo's path through broadcasts (comm._GLOO_DIRECT_BYTES)
                 mine = _value(rank, m, dtype)
                 expect = torch.cat([_value(r, m, dtype) for r in range(world)])
                 gathered = torch.empty(world * m, dtype=dtype)
