@@ -42,20 +42,29 @@ def test_debug_mode_catches_shape_mismatch():
         assert "shape=(3,)" in msg and "shape=(5,)" in msg
 
 
-def timeout_body(timeout_s):
+BIG = 1 << 17  # elements: over comm._GLOO_DIRECT_BYTES, so gloo takes the broadcast / exchange paths
+SKIPPED = {
+    "all_reduce": lambda g: comm.all_reduce(torch.ones(3), g),
+    "all_gather": lambda g: comm.all_gather(torch.empty(2 * BIG), torch.ones(BIG), g),
+    "reduce_scatter": lambda g: comm.reduce_scatter(torch.empty(BIG), torch.ones(2 * BIG), g),
+}
+
+
+def timeout_body(timeout_s, op):
     mesh = pyparallel.init(timeout_s=timeout_s)
     if dist.get_rank() == 1:
         time.sleep(timeout_s + 4)  # skip the collective, but stay alive past the peer's timeout
         return None
     start = time.monotonic()
     with pytest.raises(pyparallel.CollectiveTimeoutError) as info:
-        comm.all_reduce(torch.ones(3), mesh.world_group)
+        SKIPPED[op](mesh.world_group)
     return str(info.value), time.monotonic() - start
 
 
-def test_skipped_collective_times_out_with_a_named_error():
-    msg, waited = run(timeout_body, 2, 3.0, fresh_after=True)[0]
-    assert "all_reduce on group 'world'" in msg and "global ranks [0, 1]" in msg and "rank 0" in msg
+@pytest.mark.parametrize("op", list(SKIPPED))
+def test_skipped_collective_times_out_with_a_named_error(op):
+    msg, waited = run(timeout_body, 2, 3.0, op, fresh_after=True)[0]
+    assert f"{op} on group 'world'" in msg and "global ranks [0, 1]" in msg and "rank 0" in msg
     assert "did not complete within 3 s" in msg
     assert waited < 30  # bounded by the group's timeout, not the 300 s default
 
