@@ -30,8 +30,11 @@ def test_padding_and_shard_ranges():
 
 def test_buckets_fill_from_the_last_parameter():
     named = [(f"p{i}", torch.nn.Parameter(torch.zeros(100))) for i in range(5)]
+    # Filled until they hold the cap or more: 300 elements each (over by at most the last parameter).
     layouts = plan_buckets(named, cap_bytes=250 * 4, world=2, elem_bytes=4)
-    assert [lay.names for lay in layouts] == [["p4", "p3"], ["p2", "p1"], ["p0"]]
+    assert [lay.names for lay in layouts] == [["p4", "p3", "p2"], ["p1", "p0"]]
+    exact = plan_buckets(named, cap_bytes=200 * 4, world=2, elem_bytes=4)  # reaching the cap closes a bucket
+    assert [lay.names for lay in exact] == [["p4", "p3"], ["p2", "p1"], ["p0"]]
     with pytest.raises(ValueError, match="bucket capacity must be positive"):
         plan_buckets(named, 0, 2, 4)
 

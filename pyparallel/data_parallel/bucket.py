@@ -67,32 +67,38 @@ class Bucket:
         _ops.flatten_into(grads, self.buffer)
 
 
-def build_buckets(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int,
-                  dtype: torch.dtype | None = None) -> list[Bucket]:
-    """Group ``named_params`` (in registration order) into buckets of at most ``cap_bytes`` (a single larger
-    parameter gets a bucket of its own), filling from the last parameter backwards. Parameters of different
-    dtypes or devices never share a bucket."""
+def bucket_groups(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int,
+                  elem_bytes: int | None = None) -> list[list[tuple[str, nn.Parameter]]]:
+    """Group ``named_params`` into buckets, filling from the last parameter backwards (backward produces
+    gradients roughly in reverse registration order, so the first bucket completes first: Li et al. 2020,
+    section 3.2.3). A bucket takes parameters until it holds ``cap_bytes`` or more, so it exceeds the cap
+    by at most its last parameter, as torch DDP's buckets do: a bucket closed early, below the cap, would
+    spend a whole collective on a few small parameters (a LayerNorm between two large matrices).
+    Parameters of different dtypes or devices never share a bucket. ``elem_bytes``: bytes per element to
+    count (default: each parameter's own)."""
     if cap_bytes <= 0:
         raise ValueError(f"bucket capacity must be positive, got {cap_bytes} bytes")
-    buckets: list[Bucket] = []
+    groups: list[list[tuple[str, nn.Parameter]]] = []
     current: list[tuple[str, nn.Parameter]] = []
     size = 0
-
-    def close():
-        nonlocal current, size
-        if current:
-            p0 = current[0][1]
-            numel = sum(p.numel() for _, p in current)
-            buf = torch.zeros(numel, dtype=dtype or p0.dtype, device=p0.device)
-            buckets.append(Bucket(len(buckets), [p for _, p in current], [n for n, _ in current], buf))
-        current, size = [], 0
-
     for name, p in reversed(named_params):
-        nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > cap_bytes or p.dtype != current[0][1].dtype
-                        or p.device != current[0][1].device):
-            close()
+        if current and (size >= cap_bytes or p.dtype != current[0][1].dtype or p.device != current[0][1].device):
+            groups.append(current)
+            current, size = [], 0
         current.append((name, p))
-        size += nbytes
-    close()
+        size += p.numel() * (elem_bytes or p.element_size())
+    if current:
+        groups.append(current)
+    return groups
+
+
+def build_buckets(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int,
+                  dtype: torch.dtype | None = None) -> list[Bucket]:
+    """:func:`bucket_groups` with a zeroed flat gradient buffer per bucket (in ``dtype``, default the
+    parameters')."""
+    buckets: list[Bucket] = []
+    for group in bucket_groups(named_params, cap_bytes):
+        p0 = group[0][1]
+        buf = torch.zeros(sum(p.numel() for _, p in group), dtype=dtype or p0.dtype, device=p0.device)
+        buckets.append(Bucket(len(buckets), [p for _, p in group], [n for n, _ in group], buf))
     return buckets

@@ -69,7 +69,8 @@ class DataParallel(nn.Module):
     Args:
         module: the model; every rank must build the same one (checked at wrap time).
         mesh: the :class:`ParallelMesh`; its ``dp_group`` carries the all-reduces.
-        bucket_cap_mb: bucket size in MiB (25 as in PyTorch DDP).
+        bucket_cap_mb: bucket size in MiB (25 as in PyTorch DDP): a bucket takes parameters until it holds
+            this much, so it exceeds the cap by at most its last parameter (as PyTorch DDP's do).
         find_unused_parameters: allow parameters that get no gradient on some or all ranks in a step.
             Costs one extra all-reduce of one byte per parameter. A parameter unused on every rank keeps
             ``grad=None`` (as in a single process, so optimizers skip it); one used on some ranks gets

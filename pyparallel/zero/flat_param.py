@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from pyparallel import _ops, comm
+from pyparallel.data_parallel.bucket import bucket_groups
 
 
 def padded_size(numel: int, world: int) -> int:
@@ -144,27 +145,10 @@ def gather_named(space: ShardSpace, shard: torch.Tensor, group: comm.Group, dtyp
 
 def plan_buckets(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int, world: int,
                  elem_bytes: int) -> list[FlatLayout]:
-    """Group parameters into flat groups of at most ``cap_bytes`` (a larger parameter gets a group of its
-    own), filling from the last parameter backwards: backward produces gradients roughly in reverse
-    registration order, so the first group completes first (Li et al. 2020, section 3.2.3, as in
-    :func:`pyparallel.data_parallel.bucket.build_buckets`)."""
-    if cap_bytes <= 0:
-        raise ValueError(f"bucket capacity must be positive, got {cap_bytes} bytes")
-    layouts: list[FlatLayout] = []
-    names: list[str] = []
-    params: list[nn.Parameter] = []
-    size = 0
-    for name, p in reversed(named_params):
-        nbytes = p.numel() * elem_bytes
-        if params and size + nbytes > cap_bytes:
-            layouts.append(FlatLayout(names, params, world))
-            names, params, size = [], [], 0
-        names.append(name)
-        params.append(p)
-        size += nbytes
-    if params:
-        layouts.append(FlatLayout(names, params, world))
-    return layouts
+    """Flat groups (padded to a multiple of ``world``) of the buckets
+    :func:`pyparallel.data_parallel.bucket.bucket_groups` forms, counting ``elem_bytes`` per element."""
+    return [FlatLayout([n for n, _ in g], [p for _, p in g], world)
+            for g in bucket_groups(named_params, cap_bytes, elem_bytes)]
 
 
 def free_storage(t: torch.Tensor) -> None:
