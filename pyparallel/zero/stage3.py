@@ -39,7 +39,7 @@ from pyparallel.amp import MixedPrecision
 from pyparallel.zero.flat_param import FlatLayout, ShardSpace, alloc_storage, free_storage, storage_allocated
 from pyparallel.zero.reduce import ShardReducer, shares_storage
 from pyparallel.zero.step import DeviceUpdater
-from pyparallel.zero.wrap import UnitSpec, assign_parameters, select_units
+from pyparallel.zero.wrap import UnitSpec, assign_parameters, fold_small_units, select_units
 
 
 class _Unit:
@@ -99,6 +99,8 @@ class Stage3Engine:
         self.compute_dtype = policy.compute_dtype(module_dtype)
         self.reduce_dtype = policy.reduce_dtype
         root_spec, specs = assign_parameters(module, select_units(module, wrap_policy))
+        if wrap_policy is None:
+            root_spec, specs = fold_small_units(root_spec, specs)
         self.frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         specs = ([root_spec] if root_spec.params else []) + specs
         self.units = [_Unit(i, s, FlatLayout(s.names, s.params, group.size)) for i, s in enumerate(specs)]

@@ -9,6 +9,9 @@ models, every child of every top-level ``nn.ModuleList`` (the usual "stack of bl
 callable ``(qualified_name, module) -> bool``, a class or tuple of classes (isinstance), or an explicit list
 of submodules. Nested units are allowed: a parameter belongs to its innermost unit.
 
+With the default policy, units smaller than an eighth of the largest (a position embedding, a final
+LayerNorm) join the root unit (:func:`fold_small_units`); an explicit policy is taken as given.
+
 Parameters that are registered under more than one unit (a tied embedding / LM head: in the GPT,
 ``lm_head.weight`` *is* ``wte.weight``) or under no unit at all belong to the *root* unit, which stays
 gathered from the start of the forward to the end of the backward: it is used by both ends of the model.
@@ -115,6 +118,25 @@ def assign_parameters(root: nn.Module, unit_modules: list[nn.Module]) -> tuple[U
         target.params.append(p)
         target.slots.append(slots[pid])
     return root_unit, [u for u in units if u.params]
+
+
+def fold_small_units(root_unit: UnitSpec, units: list[UnitSpec], ratio: int = 8) -> tuple[UnitSpec, list[UnitSpec]]:
+    """Move units with fewer than 1/``ratio`` of the largest unit's parameters into the root unit, which is
+    gathered once per step and kept. For the default policy: a unit costs three collectives per step (a
+    gather for forward, one for backward, a reduce-scatter), and for a position embedding or a final
+    LayerNorm their latency outweighs the few bytes that freeing it saves."""
+    if not units:
+        return root_unit, units
+    biggest = max(sum(p.numel() for p in u.params) for u in units)
+    kept = []
+    for u in units:
+        if sum(p.numel() for p in u.params) * ratio < biggest:
+            root_unit.names += u.names
+            root_unit.params += u.params
+            root_unit.slots += u.slots
+        else:
+            kept.append(u)
+    return root_unit, kept
 
 
 def _qualname(root: nn.Module, module: nn.Module) -> str:
