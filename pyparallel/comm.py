@@ -253,15 +253,16 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bo
     return _run("all_reduce", group, nbytes, issue, async_op, fp_tensor=tensor)
 
 
-# Direct paths for gloo's two slowest collectives, from 256 KiB (below it, the extra message latencies cost
-# more than the copies they save):
+# Direct paths for gloo's two slowest collectives (benchmarks/comm.py measures them against torch's own):
 # * all-gather: gloo's ring goes through intermediate buffers; N concurrent one-to-all broadcasts, each rank's
-#   slice straight into its place in the output, move the same (N-1)/N of the output per rank, measured
-#   1.5-1.7x faster (wall) at 15 MB on 2 and 4 ranks over loopback, with ~35% less CPU time;
+#   slice straight into its place in the output, move the same (N-1)/N of the output per rank: 1.2x faster
+#   at 14 MB on 2 and 4 ranks over loopback, with 30-35% less CPU time; even at 1 MB, slower below that
+#   (N message latencies);
 # * reduce-scatter: gloo's is an all-reduce of a clone, 2(N-1)/N of the input on the wire per rank, twice the
 #   minimum; a direct exchange (rank r sends slice j to rank j and adds the slices it receives, in rank
-#   order) moves (N-1)/N: 1.7x faster at 15 MB on 2 ranks, with ~45% less CPU time.
-_GLOO_DIRECT_BYTES = 256 * 1024
+#   order) moves (N-1)/N: 2.3-2.4x faster at 14 MB, and faster from 256 KiB on.
+_GLOO_GATHER_BYTES = 1 << 20
+_GLOO_EXCHANGE_BYTES = 256 * 1024
 
 
 class _Works:
@@ -293,9 +294,9 @@ _COMBINE = {"sum": torch.Tensor.add_, "avg": torch.Tensor.add_, "max": lambda a,
             "min": lambda a, b: torch.minimum(a, b, out=a), "product": torch.Tensor.mul_}
 
 
-def _gloo_direct(group: Group, tensor: torch.Tensor) -> bool:
-    """Take the direct path: gloo, a large tensor, and a dtype whose reduction is arithmetic."""
-    return (group.backend == "gloo" and tensor.numel() * tensor.element_size() >= _GLOO_DIRECT_BYTES
+def _gloo_direct(group: Group, tensor: torch.Tensor, min_bytes: int) -> bool:
+    """Take a direct path: gloo, a tensor of ``min_bytes`` or more, a dtype whose reduction is arithmetic."""
+    return (group.backend == "gloo" and tensor.numel() * tensor.element_size() >= min_bytes
             and tensor.dtype != torch.bool)
 
 
@@ -334,7 +335,7 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Group, async_o
     _same_dtype("all_gather", group, output, tensor)
 
     def issue():
-        if _gloo_direct(group, output):
+        if _gloo_direct(group, output, _GLOO_GATHER_BYTES):
             return _gather_by_broadcasts(output, tensor, group), None
         work = _try_native(
             "all_gather_single",
@@ -363,7 +364,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Group, op:
     red = _op(op)
 
     def issue():
-        if _gloo_direct(group, tensor):
+        if _gloo_direct(group, tensor, _GLOO_EXCHANGE_BYTES):
             return _reduce_scatter_by_exchange(output, tensor.reshape(-1), group, op)
 
         def native(reduce_op):
@@ -408,7 +409,7 @@ def reduce_scatter_in_place(tensor: torch.Tensor, group: Group, op: str = "sum",
     mine = flat.view(n, -1)[group.rank]
 
     def issue():
-        if _gloo_direct(group, tensor):
+        if _gloo_direct(group, tensor, _GLOO_EXCHANGE_BYTES):
             return _reduce_scatter_by_exchange(mine, flat, group, op)
         if group.backend == "gloo":
             if op != "avg":

@@ -10,7 +10,8 @@ from pyparallel import comm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 SIZES = {"even": 12, "uneven": 13, "empty": 0}
-LARGE = 70_001  # elements per rank: over 256 KiB of all-gather output at every dtype and world >= 2
+LARGE = 70_001  # elements: over 256 KiB of reduce-scatter input at every dtype and world >= 2
+GATHER_LARGE = 270_001  # elements per rank: over 1 MiB of all-gather output at every dtype and world >= 2
 
 
 def _value(rank, n, dtype):
@@ -46,7 +47,7 @@ def conformance_body():
                 expect = _expected(op, world, n, torch.float64) + shift
                 torch.testing.assert_close(out, expect.to(dtype), rtol=0, atol=0,
                                            msg=f"reduce_scatter {op} {dtype} {label}")
-                # LARGE takes gloo's exchange path (comm._GLOO_DIRECT_BYTES), out of place and in place.
+                # LARGE takes gloo's exchange path (comm._GLOO_EXCHANGE_BYTES), out of place and in place.
                 full = torch.cat([_value(rank, LARGE, dtype) + c for c in range(world)])
                 expect = (_expected(op, world, LARGE, torch.float64) + shift).to(dtype)
                 out = torch.empty(LARGE, dtype=dtype)
@@ -56,7 +57,7 @@ def conformance_body():
                 h.wait()
                 torch.testing.assert_close(full.view(world, -1)[rank], expect, rtol=0, atol=0,
                                            msg=f"reduce_scatter_in_place {op} {dtype} large")
-            for m in (n, LARGE):  # LARGE takes gloo's path through broadcasts (comm._GLOO_DIRECT_BYTES)
+            for m in (n, GATHER_LARGE):  # GATHER_LARGE: gloo's path through broadcasts (comm._GLOO_GATHER_BYTES)
                 mine = _value(rank, m, dtype)
                 expect = torch.cat([_value(r, m, dtype) for r in range(world)])
                 gathered = torch.empty(world * m, dtype=dtype)

@@ -42,7 +42,7 @@ def test_debug_mode_catches_shape_mismatch():
         assert "shape=(3,)" in msg and "shape=(5,)" in msg
 
 
-BIG = 1 << 17  # elements: over comm._GLOO_DIRECT_BYTES, so gloo takes the broadcast / exchange paths
+BIG = 1 << 17  # elements: 1 MiB of all-gather output / reduce-scatter input, so gloo takes its direct paths
 SKIPPED = {
     "all_reduce": lambda g: comm.all_reduce(torch.ones(3), g),
     "all_gather": lambda g: comm.all_gather(torch.empty(2 * BIG), torch.ones(BIG), g),
