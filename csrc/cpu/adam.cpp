@@ -66,12 +66,7 @@ void check_state(const at::Tensor& t, const at::Tensor& p, const char* what, siz
 void check_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                 at::TensorList max_exp_avg_sqs, at::TensorList lowp_out, bool amsgrad) {
   const size_t n = params.size();
-  PP_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n, kOp, "list lengths differ: ", n,
-           " params, ", grads.size(), " grads, ", exp_avgs.size(), " exp_avgs, ", exp_avg_sqs.size(), " exp_avg_sqs");
-  PP_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, kOp, "amsgrad needs one max_exp_avg_sq per param, got ",
-           max_exp_avg_sqs.size(), " for ", n, " params");
-  PP_CHECK(lowp_out.empty() || lowp_out.size() == n, kOp, "lowp_out must be empty or hold one tensor per param, got ",
-           lowp_out.size(), " for ", n);
+  check_list_lengths(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lowp_out, amsgrad);
   for (size_t i = 0; i < n; ++i) {
     const auto& p = params[i];
     check_state(p, p, "params", i);

@@ -105,12 +105,7 @@ std::vector<Entry> build_table(at::TensorList params, at::TensorList grads, at::
                                at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList lowp_out,
                                bool amsgrad) {
   const size_t n = params.size();
-  PP_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n, kOp, "list lengths differ: ", n,
-           " params, ", grads.size(), " grads, ", exp_avgs.size(), " exp_avgs, ", exp_avg_sqs.size(), " exp_avg_sqs");
-  PP_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, kOp, "amsgrad needs one max_exp_avg_sq per param, got ",
-           max_exp_avg_sqs.size(), " for ", n, " params");
-  PP_CHECK(lowp_out.empty() || lowp_out.size() == n, kOp, "lowp_out must be empty or hold one tensor per param, got ",
-           lowp_out.size(), " for ", n);
+  adam::check_list_lengths(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lowp_out, amsgrad);
   std::vector<Entry> table;
   table.reserve(n);
   int64_t offset = 0;
