@@ -133,7 +133,7 @@ def _save(args, pm, step: int, rank: int) -> None:
     from pyparallel import checkpoint
 
     if os.environ.get("PYPARALLEL_FAULT"):
-        checkpoint._before_commit = lambda: _maybe_fail(rank, step, "save")  # test seam
+        checkpoint.store._before_commit = lambda: _maybe_fail(rank, step, "save")  # test seam
     checkpoint.save(args.checkpoint_dir, pm, pm.optimizer, step=step, extra={"model": args.model})
 
 

@@ -98,7 +98,7 @@ CRASH_SCRIPT = textwrap.dedent("""
     with __import__("torch").no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    checkpoint._before_commit = lambda: os.kill(os.getpid(), signal.SIGKILL)  # die before the manifest
+    checkpoint.store._before_commit = lambda: os.kill(os.getpid(), signal.SIGKILL)  # die before the manifest
     checkpoint.save({root!r}, model, None, step=2)
 """)
 

@@ -1,0 +1,16 @@
+"""Sharded checkpoints that any later layout can load, written so that a crash never loses the last one.
+
+* :mod:`~pyparallel.checkpoint.format` — the format: :class:`Piece` (where a shard sits in the global
+  tensor), the manifest, :class:`CheckpointError`; a leaf module every strategy may import.
+* :mod:`~pyparallel.checkpoint.protocol` — how a model or optimizer describes its pieces and takes them
+  back (``checkpoint_pieces`` / ``load_checkpoint_pieces``, ZeRO, plain modules, torch optimizers).
+* :mod:`~pyparallel.checkpoint.store` — :func:`save` (atomic), :func:`load`, :func:`resolve`,
+  :func:`read_tensors`, :func:`export_consolidated`.
+"""
+
+from pyparallel.checkpoint.format import FORMAT, VERSION, CheckpointError, Piece, read_manifest
+from pyparallel.checkpoint.protocol import gather_full
+from pyparallel.checkpoint.store import export_consolidated, load, read_tensors, resolve, save
+
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "Piece", "export_consolidated", "gather_full", "load",
+           "read_manifest", "read_tensors", "resolve", "save"]
