@@ -1,6 +1,7 @@
 """Checkpoints: layout-independent load, bit-exact resume, crash safety, corruption detection, export."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,3 +135,70 @@ def test_export_consolidated_is_loadable_by_the_plain_model(tmp_path):
     assert unexpected == [] and missing == ["gpt.head.lm_head.weight"]  # tied to the embedding, stored once
     for (n, p), q in zip(fresh.named_parameters(), model.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_a_broken_latest_is_named_and_the_newest_complete_step_found(tmp_path):
+    root = str(tmp_path)
+    checkpoint.save(root, Net(), None, step=1)
+    second = checkpoint.save(root, Net(), None, step=2)
+    shutil.rmtree(second)  # `latest` now names a folder that is gone
+    with pytest.raises(checkpoint.CheckpointError, match=r"names 'step-00000002', which does not exist.*"
+                                                         r"Complete steps here: \['step-00000001'\]"):
+        checkpoint.load(root, Net())
+    os.makedirs(second)
+    with pytest.raises(checkpoint.CheckpointError, match="names 'step-00000002', an empty folder"):
+        checkpoint.load(root, Net())
+    assert checkpoint.newest_complete(root) == os.path.join(root, "step-00000001")
+    with open(os.path.join(root, "latest"), "w"):
+        pass
+    with pytest.raises(checkpoint.CheckpointError, match="latest' is empty"):
+        checkpoint.resolve(root)
+
+
+def test_resaving_a_step_switches_latest_to_a_fresh_folder(tmp_path):
+    root = str(tmp_path)
+    first = checkpoint.save(root, Net(), None, step=3)
+    model = Net()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    again = checkpoint.save(root, model, None, step=3)
+    assert again != first and os.path.basename(again) == "step-00000003.1"
+    assert sorted(os.listdir(root)) == ["latest", "step-00000003.1"]  # the old copy went after the switch
+    fresh = Net()
+    assert checkpoint.load(root, fresh)["step"] == 3
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(checkpoint.CheckpointError, match="is a file, not a folder"):
+        checkpoint.save(os.path.join(root, "latest"), Net(), None, step=1)
+
+
+class _Failing(torch.nn.Module):
+    """Rank 1 cannot describe its pieces (a bug in a wrapper, a full disk): every rank must hear of it."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.w = torch.nn.Parameter(torch.ones(2))
+
+    def checkpoint_pieces(self):
+        if self.mesh.rank == 1:
+            raise OSError("no space left on device (simulated)")
+        return [(checkpoint.Piece.whole("model/w", (2,)), self.w)]
+
+
+def failing_save_body(root):
+    mesh = pyparallel.init(timeout_s=60)
+    try:
+        checkpoint.save(root, _Failing(mesh), step=1, mesh=mesh)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_an_error_on_one_rank_during_save_is_raised_on_every_rank(tmp_path):
+    out = run(failing_save_body, 2, str(tmp_path))
+    assert out[1] == ("OSError", "no space left on device (simulated)")
+    assert out[0][0] == "CheckpointError"
+    assert "failed on rank 1 while writing its pieces: OSError: no space" in out[0][1]
+    assert not os.path.exists(tmp_path / "latest")

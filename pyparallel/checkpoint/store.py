@@ -1,16 +1,21 @@
 """Saving and loading checkpoints, written so that a crash never loses the last one.
 
-Atomicity: files go to ``.tmp-step-...``, each is fsynced, the manifest is written and fsynced, and the
-folder is renamed into place; only then is ``latest`` replaced (write + fsync + rename). A crash at any
-moment leaves the previous checkpoint and ``latest`` intact; ``load`` refuses a folder whose manifest is
-missing or whose checksums do not match, and says which file is wrong.
+Atomicity: files go to ``.tmp-step-N``, each is fsynced, the manifest is written and fsynced, and the
+folder is renamed to a name nothing else uses (``step-N``; ``step-N.1``, ``step-N.2``, ... when step N is
+saved again while an older copy exists); only then is ``latest`` replaced (write + fsync + rename), and
+only after that is the older copy of the step removed. So a kill at any moment, re-saves included, leaves
+``latest`` naming a complete folder; ``load`` refuses a folder whose manifest is missing or whose checksums
+do not match, and says which file is wrong. ``.tmp-step-*`` folders left by killed saves are removed by the
+next save that commits.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import time
 from dataclasses import asdict
 
 import torch
@@ -62,20 +67,69 @@ def _fsync_dir(path: str) -> None:
 def save(root: str, model, optimizer=None, *, step: int, extra: dict | None = None, mesh=None) -> str:
     """Write a checkpoint of ``model`` (and ``optimizer``) for ``step`` under ``root``; every rank calls it.
 
-    Returns the checkpoint folder. ``extra`` (JSON-serialisable) comes back from :func:`load`."""
+    Returns the checkpoint folder. ``extra`` (JSON-serialisable) comes back from :func:`load`.
+
+    Three phases, each ending in a small exchange that doubles as the barrier: rank 0 prepares the
+    folder, every rank writes its pieces, rank 0 commits. An error in any phase on any rank is raised on
+    every rank (the failing rank's own exception there, a CheckpointError naming it elsewhere), so no rank
+    is left waiting for a peer that gave up."""
     rank, world = _rank_world()
     mesh = mesh if mesh is not None else getattr(model, "mesh", None)
     group = mesh.world_group if mesh is not None else None
     if group is None and world > 1:
         raise ValueError(f"checkpoint.save on {world} processes needs the mesh (mesh=...), so that every "
                          f"rank's pieces reach the manifest")
-    final = os.path.join(root, f"step-{step:08d}")
+    what = f"checkpoint.save of step {step} into {root!r}"
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
-        os.makedirs(tmp)
-    _barrier(group)
+    started = time.time()
+    _kill_point("start")
+    name = _exchange(group, what, "preparing the folder", lambda: _prepare(root, tmp, step) if rank == 0 else None)[0]
+    _kill_point("prepared")
+    everyone = _exchange(group, what, "writing its pieces", lambda: _write_pieces(model, optimizer, tmp, rank))
+    _kill_point("written")
+
+    def commit():
+        if rank != 0:
+            return None
+        manifest = {
+            "format": FORMAT, "version": VERSION, "step": step, "extra": extra or {}, "world_size": world,
+            "layout": _layout(mesh), "files": {}, "pieces": [],
+            "optimizer_groups": _optimizer_groups(optimizer) if optimizer is not None else None,
+        }
+        for recs, fs in everyone:
+            manifest["pieces"].extend(recs)
+            manifest["files"].update(fs)
+        _commit(root, tmp, name, step, manifest, started)
+        return None
+
+    _exchange(group, what, "committing", commit)
+    _kill_point("done")
+    return os.path.join(root, name)
+
+
+def _prepare(root: str, tmp: str, step: int) -> str:
+    """Rank 0: an empty ``tmp`` folder, and the name the step will be committed under (a fresh one)."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"checkpoint root {root!r} is a file, not a folder")
+    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
+    os.makedirs(tmp)
+    return _fresh_name(root, step)
+
+
+def _fresh_name(root: str, step: int) -> str:
+    """``step-N``, or while that exists (a re-save of step N) ``step-N.1``, ``step-N.2``, ...: the new copy
+    never replaces the old one in place, so ``latest`` always names a complete folder."""
+    base = f"step-{step:08d}"
+    name, k = base, 0
+    while os.path.lexists(os.path.join(root, name)):
+        k += 1
+        name = f"{base}.{k}"
+    return name
+
+
+def _write_pieces(model, optimizer, tmp: str, rank: int) -> tuple[list, dict]:
+    """This rank's data file in ``tmp`` (fsynced); returns its manifest records and file checksums."""
     pieces = _module_pieces(model) + (_optimizer_pieces(model, optimizer) if optimizer is not None else [])
     mine = [(p, t) for p, t in pieces if (p.owner if p.owner is not None else rank == 0)]
     fname = f"rank-{rank:05d}.safetensors"
@@ -95,29 +149,67 @@ def save(root: str, model, optimizer=None, *, step: int, extra: dict | None = No
         save_file(tensors, path)
         _fsync_file(path)
         files[fname] = {"sha256": _sha256(path), "bytes": os.path.getsize(path)}
-    everyone = comm.all_gather_object((records, files), group) if group is not None else [(records, files)]
-    if rank == 0:
-        manifest = {
-            "format": FORMAT, "version": VERSION, "step": step, "extra": extra or {}, "world_size": world,
-            "layout": _layout(mesh), "files": {}, "pieces": [],
-            "optimizer_groups": _optimizer_groups(optimizer) if optimizer is not None else None,
-        }
-        for recs, fs in everyone:
-            manifest["pieces"].extend(recs)
-            manifest["files"].update(fs)
-        _before_commit()
-        mpath = os.path.join(tmp, "manifest.json")
-        with open(mpath, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # re-saving a step: move the old one aside, then drop it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _write_latest(root, os.path.basename(final))
-    _barrier(group)
-    return final
+    return records, files
+
+
+def _commit(root: str, tmp: str, name: str, step: int, manifest: dict, started: float) -> None:
+    """Rank 0: manifest (fsynced), rename into place, switch ``latest``, then drop what it replaced."""
+    _before_commit()
+    mpath = os.path.join(tmp, "manifest.json")
+    with open(mpath, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    _kill_point("manifest")
+    os.rename(tmp, os.path.join(root, name))
+    _fsync_dir(root)
+    _kill_point("renamed")
+    _write_latest(root, name)
+    _kill_point("latest")
+    _remove_replaced(root, name, step, started)
+
+
+def _remove_replaced(root: str, name: str, step: int, started: float) -> None:
+    """After ``latest`` names the new folder: older copies of the same step, and ``.tmp-step-*`` folders
+    that were already there when this save began (saves killed before they committed)."""
+    for entry in _listdir(root):
+        path = os.path.join(root, entry)
+        m = _STEP_DIR.match(entry)
+        if m and int(m.group(1)) == step and entry != name:
+            shutil.rmtree(path, ignore_errors=True)
+        elif entry.startswith(".tmp-step-"):
+            try:
+                stale = os.path.getmtime(path) < started
+            except OSError:
+                continue
+            if stale:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _exchange(group, what: str, phase: str, fn) -> list:
+    """Run ``fn`` on this rank and all-gather its result, or the error it raised, from every rank. An error
+    anywhere is raised everywhere: the original exception on the rank that raised it, a CheckpointError
+    naming that rank on the others."""
+    try:
+        mine, err = (fn(), None)
+    except Exception as exc:  # noqa: BLE001 (re-raised below, after the peers have heard of it)
+        mine, err = None, exc
+    note = None if err is None else f"{type(err).__name__}: {err}"
+    everyone = comm.all_gather_object((mine, note), group) if group is not None and group.size > 1 \
+        else [(mine, note)]
+    if err is not None:
+        raise err
+    failed = [(r, n) for r, (_, n) in enumerate(everyone) if n is not None]
+    if failed:
+        r, n = failed[0]
+        raise CheckpointError(f"{what} failed on rank {group.global_rank(r)} while {phase}: {n}")
+    return [v for v, _ in everyone]
+
+
+def _kill_point(name: str) -> None:
+    """Test seam: called on every rank at each step of :func:`save` (tests/test_faults.py kills a process
+    at each one in turn)."""
 
 
 def _before_commit() -> None:
@@ -130,6 +222,7 @@ def _write_latest(root: str, name: str) -> None:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
+    _kill_point("latest-written")
     os.replace(tmp, os.path.join(root, "latest"))
     _fsync_dir(root)
 
@@ -140,12 +233,32 @@ def _layout(mesh) -> dict:
     return {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}
 
 
-def _barrier(group) -> None:
-    if group is not None and group.size > 1:
-        comm.barrier(group)
-
-
 # ----------------------------------------------------------------------------------------------- load
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
+
+
+def complete_steps(root: str) -> list[str]:
+    """The step folders under ``root`` that hold a manifest, oldest step first (the checksums are not
+    read here; :func:`read_manifest` does that)."""
+    found = []
+    for entry in _listdir(root):
+        m = _STEP_DIR.match(entry)
+        mpath = os.path.join(root, entry, "manifest.json")
+        if m and os.path.isfile(mpath):
+            found.append((int(m.group(1)), os.path.getmtime(mpath), os.path.join(root, entry)))
+    return [path for _, _, path in sorted(found)]
+
+
+def newest_complete(root: str) -> str | None:
+    """The newest step folder under ``root`` whose manifest and checksums are intact, or None."""
+    for folder in reversed(complete_steps(root)):
+        try:
+            read_manifest(folder)
+        except CheckpointError:
+            continue
+        return folder
+    return None
 
 
 def resolve(root: str) -> str:
@@ -157,8 +270,24 @@ def resolve(root: str) -> str:
         return root  # a step folder without its manifest: read_manifest says it is incomplete
     if not os.path.exists(latest):
         raise CheckpointError(f"no checkpoint at {root!r}: neither a manifest.json nor a 'latest' pointer")
-    with open(latest) as f:
-        return os.path.join(root, f.read().strip())
+    with open(latest, errors="replace") as f:
+        name = f.read().strip()
+    folder = os.path.join(root, name)
+    problem = None
+    if not name:
+        problem = f"{latest!r} is empty"
+    elif not os.path.isdir(folder):
+        problem = f"'latest' in {root!r} names {name!r}, which does not exist"
+    elif not _listdir(folder):
+        problem = f"'latest' in {root!r} names {name!r}, an empty folder"
+    elif not os.path.exists(os.path.join(folder, "manifest.json")):
+        problem = f"'latest' in {root!r} names {name!r}, which has no manifest.json"
+    if problem is None:
+        return folder
+    steps = [os.path.basename(f) for f in complete_steps(root)]
+    raise CheckpointError(f"{problem}: it was changed or removed after it was saved (a save switches 'latest' "
+                          f"only to a complete folder). Complete steps here: {steps or 'none'}; load one by "
+                          f"its folder")
 
 
 def _listdir(path: str) -> list[str]:
