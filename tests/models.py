@@ -39,3 +39,46 @@ def batches(steps: int, batch: int, seq: int = 12, vocab: int = 64):
 
 def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+# ------------------------------------------------------------------------------- Hugging Face models
+# Small random-init configs of real transformers classes (no download): 2 layers, grouped-query attention
+# where the family has it, and a vocabulary the caller picks (e.g. GPT-2's 50257 for vocabulary padding).
+
+HF_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2")
+
+
+def hf_config(kind: str, *, hidden: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 64, layers: int = 2,
+              **overrides):
+    """A tiny transformers config of family ``kind`` (one of :data:`HF_FAMILIES`)."""
+    import transformers
+
+    if kind == "gpt2":
+        cfg = dict(n_layer=layers, n_head=heads, n_embd=hidden, vocab_size=vocab, n_positions=32, resid_pdrop=0.0,
+                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+        return transformers.GPT2Config(**{**cfg, **overrides})
+    common = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                  max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  head_dim=hidden // heads, attention_dropout=0.0)
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+               "phi3": "Phi3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config"}
+    extra = {"phi3": dict(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=32),
+             "gemma2": dict(sliding_window=8, attn_implementation="eager"),
+             "mistral": dict(sliding_window=None), "qwen2": dict(use_sliding_window=False),
+             "qwen3": dict(use_sliding_window=False)}.get(kind, {})
+    if kind == "phi3":
+        common.pop("head_dim")
+    return getattr(transformers, classes[kind])(**{**common, **extra, **overrides})
+
+
+def hf_model(kind: str, seed: int = 0, **config):
+    """A tiny random-init transformers causal LM of family ``kind``, the same on every rank for one seed."""
+    import transformers
+
+    cfg = hf_config(kind, **config)
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(cfg)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation
+                                                         if kind == "gemma2" else "sdpa")

@@ -10,6 +10,11 @@ Megatron-LM's layers (Shoeybi et al. 2019) split a Linear ``Y = X A`` by output 
 ``weight``) or input features (row: columns of ``weight``); a fused QKV splits each of q, k, v separately
 (one box per section); a transformers ``Conv1D`` stores ``A`` itself ([in, out]), so the local shard is the
 transposed box (``perm=(1, 0)``).
+
+A vocabulary padded for TP (Megatron's ``make-vocab-size-divisible-by``: the embedding and the LM head hold
+``Vp >= V`` rows) is described in the *original* vocabulary: the global shape has V rows and a rank's
+segments cover only its real rows, so the padding rows (the tail of the last ranks' shards) are in no piece:
+never saved, never counted, and left as they are (zero) by a load.
 """
 
 from __future__ import annotations
@@ -52,14 +57,15 @@ def _whole(shape) -> list[Segment]:
 
 
 def _column(module, pname: str, t: int, r: int) -> tuple[tuple, list[Segment]]:
-    """ColumnParallelLinear: rows (output features) of each section."""
-    out_f, in_f = module.out_features, module.in_features
-    sections = module.sections or (out_f,)
+    """ColumnParallelLinear: rows (output features) of each section; a padded vocabulary head only its real
+    rows (``valid_out`` of the global ``out_features``)."""
+    out_f, in_f = getattr(module, "valid_out", module.out_features), module.in_features
+    sections = module.sections or (module.out_features,)
     conv = module.layout == "conv1d"
     segs, offset, start = [], 0, 0
     for size in sections:
-        k = size // t
-        row0 = offset + r * k
+        row0 = offset + r * (size // t)
+        k = max(0, min(size // t, out_f - row0))  # without padding: size // t
         if pname == "bias":
             segs.append(Segment((row0,), (k,), None, start, k))
             start += k
@@ -87,7 +93,8 @@ def _row(module, pname: str, t: int, r: int) -> tuple[tuple, list[Segment]] | No
 
 
 def _vocab(module, pname: str) -> tuple[tuple, list[Segment]]:
-    rows = module.vocab_end - module.vocab_start
+    """VocabParallelEmbedding: its rows of the original vocabulary (padding rows excluded)."""
+    rows = max(0, min(module.vocab_end, module.num_embeddings) - module.vocab_start)
     h = module.embedding_dim
     return (module.num_embeddings, h), [Segment((module.vocab_start, 0), (rows, h), None, 0, rows * h)]
 
@@ -120,8 +127,9 @@ def describe(name: str, p: nn.Parameter, owner, t: int, r: int) -> ParamInfo:
     if found is None:
         return ParamInfo(name, tuple(p.shape), _whole(p.shape), tp_sharded=False, counted=(r == 0))
     shape, segs = found
-    if sum(s.numel for s in segs) != p.numel():
-        raise AssertionError(f"{name}: TP segments cover {sum(s.numel for s in segs)} of {p.numel()} elements")
+    covered = sum(s.numel for s in segs)
+    if covered > p.numel() or not segs or segs[0].numel == 0:
+        raise AssertionError(f"{name}: TP segments cover {covered} of {p.numel()} elements")
     return ParamInfo(name, shape, segs, tp_sharded=True, counted=True)
 
 

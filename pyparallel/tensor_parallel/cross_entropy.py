@@ -6,6 +6,11 @@ Rank r holds logits[..., r·V/t : (r+1)·V/t]. For N = b·s tokens the loss
 max ``m`` (all-reduce max), the sum of exponentials and the target's logit (one all-reduce of both,
 stacked, since both are plain sums). Each rank sends O(N) numbers instead of the N·V/t it would send to
 gather the logits. Backward is local: ``softmax - onehot(target)`` on this rank's vocabulary slice.
+
+With a padded vocabulary (Megatron's ``make-vocab-size-divisible-by``) ``vocab_size`` names the real one:
+the columns past it are set to -inf before the max, so they add nothing to the sum of exponentials, never
+win, and get a zero gradient -- also when something between the head and the loss (Gemma 2's final
+soft-capping) turned the head's own -inf into a finite number.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ from pyparallel import comm
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index):
+    def forward(ctx, logits, target, group, ignore_index, vocab_size):
         # logits [N, V/t] (computed in fp32, or fp64 for fp64), target [N] of global token ids
         x = logits if logits.dtype == torch.float64 else logits.float()
         v_local = x.shape[-1]
         start = group.rank * v_local
+        if vocab_size is not None and start + v_local > vocab_size:  # padded columns on this rank
+            pad = torch.arange(start, start + v_local, device=x.device) >= vocab_size
+            x = x.masked_fill(pad, float("-inf"))
         m = x.max(dim=-1).values
         comm.all_reduce(m, group, op="max")  # [N]: the global max, for a stable exp
         shifted = x - m.unsqueeze(-1)
@@ -45,22 +53,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_t] -= hit.to(grad.dtype)
         grad.mul_((grad_loss * valid).unsqueeze(-1))
-        return grad.to(ctx.in_dtype), None, None, None
+        return grad.to(ctx.in_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: comm.Group, *,
-                                 ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+                                 ignore_index: int = -100, reduction: str = "mean",
+                                 vocab_size: int | None = None) -> torch.Tensor:
     """``F.cross_entropy`` of logits split by vocabulary over ``group`` (rank r holds slice r).
 
     logits [..., V/t], target [...] of global token ids; ``reduction`` is "mean" (over targets that are not
-    ``ignore_index``), "sum" or "none"."""
+    ``ignore_index``), "sum" or "none". ``vocab_size``: the real vocabulary when the split one is padded
+    (columns from it on are excluded); None: every column is a token."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree on the "
                          f"leading (token) dimensions")
     flat = logits.reshape(-1, logits.shape[-1])
-    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), group, ignore_index)
+    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), group, ignore_index, vocab_size)
     if reduction == "none":
         return loss.view(target.shape)
     if reduction == "sum":

@@ -110,6 +110,13 @@ def _to_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
     return w.t().contiguous() if layout == "conv1d" else w
 
 
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``rows`` (vocabulary padding)."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
 def _full_linear_init(out_f: int, in_f: int, bias: bool, dtype, device):
     """nn.Linear's default initialisation of the full matrix (same RNG stream on every rank -> same
     matrix), from which each rank keeps its shard."""
@@ -122,20 +129,47 @@ def _full_linear_init(out_f: int, in_f: int, bias: bool, dtype, device):
     return w, b
 
 
+def padded_vocab_size(vocab: int, t: int, multiple: int | None) -> int:
+    """Megatron's ``--make-vocab-size-divisible-by``: the vocabulary padded to a multiple of ``t·multiple``
+    when ``t`` does not divide it (a vocabulary that already splits evenly keeps its exact size). ``multiple``
+    None refuses instead. Every rank must keep at least one real row (the padding is < t·multiple rows)."""
+    if vocab % t == 0:
+        return vocab
+    if not multiple:
+        raise ValueError(f"vocabulary size {vocab} is not divisible by the tensor-parallel degree tp={t} and "
+                         f"vocabulary padding is off; pass vocab_multiple=64 (pads to a multiple of tp x 64) or "
+                         f"choose a tp that divides {vocab}")
+    step = t * int(multiple)
+    padded = -(-vocab // step) * step
+    if vocab <= (t - 1) * (padded // t):
+        raise ValueError(f"vocabulary size {vocab} padded to {padded} (a multiple of tp={t} x {multiple}) would "
+                         f"leave tensor-parallel rank {t - 1} without a real row; use a smaller vocab_multiple")
+    return padded
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y_r = X A_r``: the output features split over the TP ranks.
 
     ``sections`` splits each of several stacked outputs separately (a fused QKV of sizes (h, h, h): each
-    rank holds its heads of q, of k and of v). ``input_cache`` lets sibling layers share one ``f``."""
+    rank holds its heads of q, of k and of v). ``input_cache`` lets sibling layers share one ``f``.
+    ``valid_out`` < ``out_features`` marks the rows past it as vocabulary padding (an LM head padded as
+    Megatron's ``make-vocab-size-divisible-by``): they are zero, their logits are -inf (they never win the
+    softmax and get no gradient), gathered outputs and :meth:`full_parameters` are cut back to
+    ``valid_out``, and checkpoints never see them."""
 
     def __init__(self, in_features: int, out_features: int, mesh, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
                  sections: tuple[int, ...] | None = None, input_cache: InputCache | None = None,
-                 name: str = "ColumnParallelLinear", dtype=None, device=None, init: bool = True):
+                 name: str = "ColumnParallelLinear", dtype=None, device=None, init: bool = True,
+                 valid_out: int | None = None):
         super().__init__()
         self.group = mesh.tp_group
         t, r = self.group.size, self.group.rank
         self.sections = tuple(sections) if sections else None
+        self.valid_out = out_features if valid_out is None else int(valid_out)
+        if not 0 < self.valid_out <= out_features or (self.sections and self.valid_out != out_features):
+            raise ValueError(f"{name}: valid_out {self.valid_out} must be in (0, {out_features}] and needs a "
+                             f"layer without sections")
         if self.sections and sum(self.sections) != out_features:
             raise ValueError(f"{name}: sections {self.sections} do not add up to out_features {out_features}")
         for s in self.sections or (out_features,):
@@ -148,27 +182,44 @@ class ColumnParallelLinear(nn.Module):
         self.layout = "linear"
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features // t, dtype=dtype, device=device)) if bias else None
+        self.local_start = r * (out_features // t)  # first (global) row this rank holds, without sections
+        # Real rows of this rank's shard: the rest is vocabulary padding.
+        self.local_valid = max(0, min(out_features // t, self.valid_out - self.local_start))
         if init:
-            w, b = _full_linear_init(out_features, in_features, bias, dtype, device)
+            w, b = _full_linear_init(self.valid_out, in_features, bias, dtype, device)
             with torch.no_grad():
-                self.weight.copy_(shard_rows(w, t, r, self.sections))
+                self.weight.copy_(shard_rows(_pad_rows(w, out_features), t, r, self.sections))
                 if bias:
-                    self.bias.copy_(shard_rows(b, t, r, self.sections))
+                    self.bias.copy_(shard_rows(_pad_rows(b, out_features), t, r, self.sections))
 
     @classmethod
-    def from_linear(cls, module: nn.Module, mesh, **kwargs) -> ColumnParallelLinear:
-        """Slice a full ``nn.Linear`` / ``Conv1D``: this rank keeps its rows (of each section)."""
+    def from_linear(cls, module: nn.Module, mesh, *, padded_out: int | None = None, **kwargs) -> ColumnParallelLinear:
+        """Slice a full ``nn.Linear`` / ``Conv1D``: this rank keeps its rows (of each section). With
+        ``padded_out`` the output features are first padded with zero rows to that size (vocabulary padding)."""
         w, b, layout = linear_weight(module)
-        layer = cls(w.shape[1], w.shape[0], mesh, bias=b is not None, dtype=w.dtype, device=w.device,
-                    init=False, **kwargs)
+        out = padded_out or w.shape[0]
+        layer = cls(w.shape[1], out, mesh, bias=b is not None, dtype=w.dtype, device=w.device,
+                    init=False, valid_out=w.shape[0], **kwargs)
         t, r = layer.group.size, layer.group.rank
         with torch.no_grad():
-            layer.weight.copy_(shard_rows(w, t, r, layer.sections))
+            layer.weight.copy_(shard_rows(_pad_rows(w, out), t, r, layer.sections))
             if b is not None:
-                layer.bias.copy_(shard_rows(b, t, r, layer.sections))
+                layer.bias.copy_(shard_rows(_pad_rows(b, out), t, r, layer.sections))
         layer.weight.requires_grad_(w.requires_grad)
         layer.layout = layout
         return layer
+
+    @property
+    def padded(self) -> bool:
+        return self.valid_out != self.out_features
+
+    def _mask_padding(self, y: torch.Tensor) -> torch.Tensor:
+        """-inf on the padded vocabulary columns of this rank: they never win a softmax or a max, and
+        masked_fill passes them no gradient (so the zero padding rows stay zero)."""
+        if not self.padded or self.local_valid == self.weight.shape[0]:
+            return y
+        pad = torch.arange(y.shape[-1], device=y.device) >= self.local_valid
+        return y.masked_fill(pad, float("-inf"))
 
     def _enter(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -183,19 +234,25 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(self._enter(x), self.weight, self.bias)  # [.., in] @ [in, out/t] -> [.., out/t]
-        return gather_from_tp(y, self.group, -1) if self.gather_output else y
+        y = self._mask_padding(y)
+        if not self.gather_output:
+            return y
+        y = gather_from_tp(y, self.group, -1)  # [.., out] (padded)
+        return y[..., :self.valid_out] if self.padded else y
 
     def full_parameters(self, grad: bool = False) -> dict[str, torch.Tensor]:
-        """Every rank's shards (or their gradients) gathered back into the original module's layout (a
-        collective)."""
-        w = _value(self.weight, grad)
-        out = {"weight": _to_layout(unshard_rows(_all_gather_stack(w, self.group), self.sections), self.layout)}
+        """Every rank's shards (or their gradients) gathered back into the original module's layout, without
+        vocabulary padding (a collective)."""
+        n = self.valid_out
+        w = unshard_rows(_all_gather_stack(_value(self.weight, grad), self.group), self.sections)
+        out = {"weight": _to_layout(w[:n], self.layout)}
         if self.bias is not None:
-            out["bias"] = unshard_rows(_all_gather_stack(_value(self.bias, grad), self.group), self.sections)
+            out["bias"] = unshard_rows(_all_gather_stack(_value(self.bias, grad), self.group), self.sections)[:n]
         return out
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+        pad = f", padded from {self.valid_out}" if self.padded else ""
+        return (f"in={self.in_features}, out={self.out_features}{pad} (local {self.weight.shape[0]}), "
                 f"tp={self.group.size}, gather_output={self.gather_output}, sp={self.sequence_parallel}")
 
 
@@ -268,35 +325,54 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The embedding table split by vocabulary rows: rank r holds tokens [r·V/t, (r+1)·V/t). Each rank
-    looks up the tokens it owns (zeros for the others) and ``g`` sums the results."""
+    """The embedding table split by vocabulary rows: rank r holds tokens [r·Vp/t, (r+1)·Vp/t). Each rank
+    looks up the tokens it owns (zeros for the others) and ``g`` sums the results.
+
+    ``padded_size`` (>= ``num_embeddings``, divisible by t) pads the table with zero rows that no token id
+    reaches (Megatron's ``make-vocab-size-divisible-by``); :meth:`full_parameters` and checkpoints cut them.
+    ``scale`` multiplies the looked-up rows (Gemma's ``embed_scale`` = sqrt(hidden), applied in the
+    weight's dtype as transformers does)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, padding_idx: int | None = None,
                  sequence_parallel: bool = False, sequence_dim: int = 1, name: str = "VocabParallelEmbedding",
-                 dtype=None, device=None, init: bool = True):
+                 dtype=None, device=None, init: bool = True, padded_size: int | None = None,
+                 scale: torch.Tensor | float | None = None):
         super().__init__()
         self.group = mesh.tp_group
         t, r = self.group.size, self.group.rank
-        _check_divisible(name, "vocabulary size", num_embeddings, t)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        padded = num_embeddings if padded_size is None else int(padded_size)
+        if padded < num_embeddings:
+            raise ValueError(f"{name}: padded_size {padded} is smaller than the vocabulary {num_embeddings}")
+        _check_divisible(name, "vocabulary size" if padded == num_embeddings else "padded vocabulary size", padded, t)
+        self.num_embeddings, self.embedding_dim, self.padded_size = num_embeddings, embedding_dim, padded
         self.padding_idx = padding_idx
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        per = num_embeddings // t
+        per = padded // t
         self.vocab_start, self.vocab_end = r * per, (r + 1) * per
         self.weight = nn.Parameter(torch.empty(per, embedding_dim, dtype=dtype, device=device))
+        if scale is not None:  # a buffer, as in transformers (non-persistent: recomputed from the config)
+            self.register_buffer("embed_scale", torch.as_tensor(scale, device=device).clone(), persistent=False)
+        else:
+            self.embed_scale = None
         if init:
             full = torch.randn(num_embeddings, embedding_dim, dtype=dtype, device=device)  # nn.Embedding's N(0, 1)
             if padding_idx is not None:
                 full[padding_idx].zero_()
             with torch.no_grad():
-                self.weight.copy_(full[self.vocab_start:self.vocab_end])
+                self.weight.copy_(_pad_rows(full, padded)[self.vocab_start:self.vocab_end])
+
+    @property
+    def valid_rows(self) -> int:
+        """Rows of this rank's shard that are real tokens (the rest is padding)."""
+        return max(0, min(self.vocab_end, self.num_embeddings) - self.vocab_start)
 
     @classmethod
     def from_embedding(cls, module: nn.Embedding, mesh, **kwargs) -> VocabParallelEmbedding:
         layer = cls(module.num_embeddings, module.embedding_dim, mesh, padding_idx=module.padding_idx,
                     dtype=module.weight.dtype, device=module.weight.device, init=False, **kwargs)
         with torch.no_grad():
-            layer.weight.copy_(module.weight[layer.vocab_start:layer.vocab_end])
+            layer.weight.copy_(_pad_rows(module.weight, layer.padded_size)[layer.vocab_start:layer.vocab_end])
+        layer.weight.requires_grad_(module.weight.requires_grad)
         return layer
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -309,12 +385,20 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local, self.weight, local_pad)  # [..] -> [.., h], rows of other ranks zeroed below
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence(out, self.group, self.sequence_dim)
-        return reduce_from_tp(out, self.group)
+            out = reduce_scatter_to_sequence(out, self.group, self.sequence_dim)
+        else:
+            out = reduce_from_tp(out, self.group)
+        if self.embed_scale is not None:  # after the sum: one real row plus zeros, scaled as the original
+            out = out * self.embed_scale.to(self.weight.dtype)
+        return out
 
     def full_parameters(self, grad: bool = False) -> dict[str, torch.Tensor]:
-        return {"weight": unshard_rows(_all_gather_stack(_value(self.weight, grad), self.group))}
+        """The whole table (or its gradient) without padding rows (a collective)."""
+        full = unshard_rows(_all_gather_stack(_value(self.weight, grad), self.group))
+        return {"weight": full[:self.num_embeddings]}
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
-                f"tp={self.group.size}")
+        pad = f" (padded to {self.padded_size})" if self.padded_size != self.num_embeddings else ""
+        scale = ", scaled" if self.embed_scale is not None else ""
+        return (f"{self.num_embeddings}{pad}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
+                f"tp={self.group.size}{scale}")

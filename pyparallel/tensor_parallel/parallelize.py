@@ -15,108 +15,44 @@ import torch
 import torch.nn as nn
 
 from pyparallel.tensor_parallel import plans as plans_mod
-from pyparallel.tensor_parallel.blocks import ParallelMLP, ParallelSelfAttention
+from pyparallel.tensor_parallel import styles as styles_mod
 from pyparallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from pyparallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     InputCache,
     RowParallelLinear,
     VocabParallelEmbedding,
-    linear_weight,
 )
 from pyparallel.tensor_parallel.mappings import allreduce_grad_hook, gather_from_tp, scatter_to_sequence
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
-def _resolve(model: nn.Module, styles: dict[str, str]) -> list[tuple[str, str]]:
+def _resolve(model: nn.Module, styles: dict) -> list[tuple[str, styles_mod.Style]]:
     """(module name, style) for every module a pattern matches (first matching pattern wins; a module
     inside a matched module is not matched again)."""
-    for style in styles.values():
-        if style not in plans_mod.STYLES:
-            raise ValueError(f"unknown tensor-parallel style {style!r}; styles: {', '.join(plans_mod.STYLES)}")
-    chosen: list[tuple[str, str]] = []
+    resolved = {pattern: styles_mod.get(style) for pattern, style in styles.items()}
+    chosen: list[tuple[str, styles_mod.Style]] = []
     for name, _ in model.named_modules():
-        if not name or any(name.startswith(c + ".") for c, s in chosen if s != "replicate"):
+        if not name or any(name.startswith(c + ".") for c, s in chosen if s.name != "replicate"):
             continue
-        for pattern, style in styles.items():
+        for pattern, style in resolved.items():
             if fnmatch.fnmatchcase(name, pattern):
                 chosen.append((name, style))
                 break
     return chosen
 
 
-def _check_module(name: str, module: nn.Module, style: str, t: int) -> None:
-    """Divisibility of what ``style`` splits in ``module``, before anything is replaced."""
-    def need(value: int, what: str) -> None:
-        if value % t:
-            raise ValueError(f"{name}: {what} ({value}) is not divisible by the tensor-parallel degree tp={t}; "
-                             f"choose a tp that divides {value}")
-
-    if style in ("column", "column_gather", "vocab_head"):
-        need(linear_weight(module)[0].shape[0], "output features")
-    elif style == "qkv":
-        out = linear_weight(module)[0].shape[0]
-        if out % 3:
-            raise ValueError(f"{name}: a fused QKV layer needs 3 equal sections, got {out} output features")
-        need(out // 3, "q/k/v width")
-    elif style == "attention":
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if not hasattr(module, proj):
-                raise ValueError(f"{name}: style 'attention' needs q_proj, k_proj, v_proj and o_proj; "
-                                 f"{type(module).__name__} has no {proj}")
-        d = getattr(module, "head_dim", None)
-        if not isinstance(d, int):
-            raise ValueError(f"{name}: style 'attention' needs an integer head_dim attribute")
-        heads, kv = module.q_proj.out_features // d, module.k_proj.out_features // d
-        need(heads, "attention heads")
-        need(kv, "key/value heads")
-    elif style == "row":
-        need(linear_weight(module)[0].shape[1], "input features")
-    elif style == "vocab":
-        if not isinstance(module, nn.Embedding):
-            raise ValueError(f"{name}: style 'vocab' needs nn.Embedding, got {type(module).__name__}")
-        need(module.num_embeddings, "vocabulary size")
-
-
-class _Builder:
-    """Carries what replacements share: the mesh, the input caches, embedding shards for tied heads."""
-
-    def __init__(self, model, mesh, plan: plans_mod.ModelPlan, sequence_parallel: bool):
-        self.model, self.mesh, self.plan, self.sp = model, mesh, plan, sequence_parallel
-        self.cache = InputCache()  # q/k/v (or gate/up) read the same tensor: one f per block
-        self.shards: dict[int, nn.Parameter] = {}  # id(original embedding weight) -> its vocab shard
-        self.heads: list[ColumnParallelLinear] = []
-
-    def build(self, name: str, module: nn.Module, style: str) -> nn.Module | None:
-        mesh, sp = self.mesh, self.sp
-        if style == "vocab":
-            new = VocabParallelEmbedding.from_embedding(module, mesh, name=name)
-            self.shards[id(module.weight)] = new.weight
-            return new
-        if style in ("column", "column_gather", "qkv", "vocab_head"):
-            sections = (linear_weight(module)[0].shape[0] // 3,) * 3 if style == "qkv" else None
-            tied = self.shards.get(id(getattr(module, "weight", None)))
-            new = ColumnParallelLinear.from_linear(module, mesh, name=name, sections=sections,
-                                                   gather_output=style == "column_gather", sequence_parallel=sp,
-                                                   input_cache=self.cache)
-            if tied is not None:  # the head shares the vocab-parallel embedding's shard: the tie survives
-                if tied.shape != new.weight.shape:
-                    raise ValueError(f"{name}: tied to an embedding shard of shape {tuple(tied.shape)}, but its "
-                                     f"own shard is {tuple(new.weight.shape)}")
-                new.weight = tied
-            if style == "vocab_head":
-                self.heads.append(new)
-            return new
-        if style == "row":
-            return RowParallelLinear.from_linear(module, mesh, name=name, sequence_parallel=sp)
-        if style == "attention":
-            return ParallelSelfAttention.from_module(module, mesh, sequence_parallel=sp, name=name)
-        if style == "gelu_mlp":
-            names, approximate = _mlp_layout(name, module, self.plan)
-            return ParallelMLP.from_module(module, mesh, names=names, approximate=approximate,
-                                           sequence_parallel=sp, input_cache=self.cache, name=name)
-        return None  # replicate
+def _check_rows(chosen: list[tuple[str, styles_mod.Style]]) -> None:
+    """A row-parallel layer needs its input split by features: a column-like sibling in the same parent
+    (o_proj beside q/k/v, down_proj beside gate/up). Without one its input would be whole (a plan matched by
+    names on a model whose other layers it does not cover, e.g. LLaMA's on Phi-3)."""
+    splitting = {name.rpartition(".")[0] for name, s in chosen if s.splits_input}
+    for name, style in chosen:
+        if style.name == "row" and name.rpartition(".")[0] not in splitting:
+            raise ValueError(f"{name}: style 'row' needs its input split by features, but no layer beside it in "
+                             f"{name.rpartition('.')[0] or 'the model'} is column-split by the plan; split the layer "
+                             f"that feeds it ('column', 'gate_up', 'fused_qkv', ...) or use 'replicate'")
 
 
 _MLP_NAMES = (("fc_in", "fc_out"), ("c_fc", "c_proj"), ("fc1", "fc2"), ("dense_h_to_4h", "dense_4h_to_h"))
@@ -149,17 +85,21 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
 
 
-def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, sequence_parallel: bool = False,
-                attention_fixes: dict | None = None) -> nn.Module:
+def parallelize(model: nn.Module, mesh, plan: dict | None = None, *, sequence_parallel: bool = False,
+                attention_fixes: dict | None = None, vocab_multiple: int | None = 64) -> nn.Module:
     """Replace ``model``'s layers by tensor-parallel ones over ``mesh.tp_group``, in place; returns ``model``.
 
-    ``plan`` maps module-name patterns to styles (see :mod:`pyparallel.tensor_parallel.plans`); None picks
-    the built-in plan for the built-in GPT, Hugging Face GPT-2 or LLaMA-family models. With a
-    ``"vocab_head"`` the logits stay split by vocabulary and the loss is the vocabulary-parallel
-    cross-entropy (built-in GPT: ``model(idx, targets)``; Hugging Face: ``model(..., labels=...)``, whose
-    ``.logits`` are then this rank's vocabulary slice; without targets/labels the logits are gathered).
-    ``sequence_parallel`` (Korthikanti et al. 2022) is supported for the built-in GPT.
-    ``attention_fixes`` maps attention class names to ``fn(module, tp, name)`` that adjust head counts."""
+    ``plan`` maps module-name patterns to styles (names or ``Style`` objects, see
+    :mod:`pyparallel.tensor_parallel.plans`); None picks the built-in plan for the built-in GPT, Hugging Face
+    GPT-2, LLaMA, Mistral, Qwen2/3, Phi-3 or Gemma 1/2. Every style checks its module first and refuses what
+    it cannot split exactly. With a ``"vocab_head"`` the logits stay split by vocabulary and the loss is the
+    vocabulary-parallel cross-entropy (built-in GPT: ``model(idx, targets)``; Hugging Face:
+    ``model(..., labels=...)``, whose ``.logits`` are then this rank's vocabulary slice; without
+    targets/labels the logits are gathered). A vocabulary t does not divide is padded to a multiple of
+    ``t * vocab_multiple`` (Megatron's ``make-vocab-size-divisible-by``; None refuses it instead): the padded
+    logits are -inf and the padded rows are never saved. ``sequence_parallel`` (Korthikanti et al. 2022) is
+    supported for the built-in GPT. ``attention_fixes`` maps attention class names to ``fn(module, tp, name)``
+    that adjust head counts."""
     t = mesh.tp_group.size
     detected = plans_mod.detect(model)
     if plan is None:
@@ -176,19 +116,24 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
         raise ValueError(f"sequence_parallel is supported for the built-in GPT only, not for a {mplan.family} "
                          f"model (its position ids and attention masks are computed from the full sequence)")
     plans_mod.check_sizes(mplan, t)
+    cache = InputCache()  # q/k/v (or gate/up) read the same tensor: one f per block
+    ctx = styles_mod.Context(model, mesh, mplan, sequence_parallel=sequence_parallel, vocab_multiple=vocab_multiple,
+                             cache=cache)
     chosen = _resolve(model, mplan.styles)
     for name, style in chosen:
-        _check_module(name, model.get_submodule(name), style, t)
+        style.check(name, model.get_submodule(name), ctx)
+    _check_rows(chosen)
     fixes = dict(plans_mod.ATTENTION_FIXES, **(attention_fixes or {}))
-    attention = {name.rpartition(".")[0] for name, style in chosen if style in ("column", "qkv")}
+    attention = {name.rpartition(".")[0] for name, style in chosen if style.column_split}
     for parent in sorted(attention):  # refuse unknown attention modules before changing anything
-        plans_mod.check_attention(model.get_submodule(parent), parent, t, fixes)
+        split = tuple(n[len(parent) + 1:] if parent else n for n, s in chosen
+                      if s.name != "replicate" and n.startswith(parent + "." if parent else ""))
+        plans_mod.check_attention(model.get_submodule(parent), parent, t, fixes, split)
     _check_ties(model, chosen)
 
-    builder = _Builder(model, mesh, mplan, sequence_parallel)
     # Embeddings first, so that a tied head finds its embedding's shard.
-    for name, style in sorted(chosen, key=lambda c: c[1] != "vocab"):
-        new = builder.build(name, model.get_submodule(name), style)
+    for name, style in sorted(chosen, key=lambda c: not isinstance(c[1], styles_mod.Vocab)):
+        new = style.build(name, model.get_submodule(name), ctx)
         if new is not None:
             _set_module(model, name, new)
     for parent in sorted(attention):
@@ -196,20 +141,23 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, str] | None = None, *, s
         fix = fixes.get(type(module).__name__)
         if fix is not None and t > 1:
             fix(module, t, parent)
-    if builder.heads:
-        _wire_loss(model, mesh, mplan, builder)
+        plans_mod.verify_fixed(module, parent, t, getattr(model, "config", None))
+    if ctx.heads:
+        _wire_loss(model, mesh, mplan, ctx)
     if sequence_parallel:
         _wire_sequence_parallel(model, mesh)
     # The shared input cache only matters within one forward: drop its entry afterwards.
-    model.register_forward_hook(lambda module, args, output: builder.cache.clear())
-    model._pyparallel_tp = {"mesh": mesh, "plan": mplan, "sequence_parallel": sequence_parallel}
+    model.register_forward_hook(lambda module, args, output: cache.clear())
+    vocab = ctx.heads[0].valid_out if ctx.heads else None
+    model._pyparallel_tp = {"mesh": mesh, "plan": mplan, "sequence_parallel": sequence_parallel,
+                            "vocab_size": vocab, "padded_vocab_size": ctx.heads[0].out_features if ctx.heads else None}
     return model
 
 
 def _check_ties(model: nn.Module, chosen: list[tuple[str, str]]) -> None:
     """A parameter shared between a module the plan splits and one it leaves whole would silently stop
     being shared: refuse it (a tied LM head must be 'vocab_head' when its embedding is 'vocab')."""
-    split = [n for n, s in chosen if s != "replicate"]
+    split = [n for n, s in chosen if s.name != "replicate"]
 
     def covered(name: str) -> bool:
         return any(name == c or name.startswith(c + ".") for c in split)
@@ -226,9 +174,9 @@ def _check_ties(model: nn.Module, chosen: list[tuple[str, str]]) -> None:
                              f"{outside[0].rpartition('.')[0]} a matching style (e.g. 'vocab_head')")
 
 
-def _wire_loss(model, mesh, mplan, builder) -> None:
+def _wire_loss(model, mesh, mplan, ctx) -> None:
     group = mesh.tp_group
-    head = builder.heads[0]
+    head = ctx.heads[0]
     if mplan.family == "gpt":
         model._tp_group = group
         model.forward = types.MethodType(_gpt_tp_forward, model)
@@ -236,9 +184,9 @@ def _wire_loss(model, mesh, mplan, builder) -> None:
     # Hugging Face: with labels, keep the logits split and compute the loss on them; without, gather.
     def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                       shift_labels=None, **kwargs):
-        split = head.out_features != logits.shape[-1]  # labels passed positionally: the head gathered
+        split = group.size > 1 and logits.shape[-1] == head.weight.shape[0]  # else: the head gathered
         return causal_lm_loss(logits, labels, group if split else None, num_items_in_batch, ignore_index,
-                              shift_labels)
+                              shift_labels, vocab_size=head.valid_out)
 
     def pre_hook(module, args, kwargs):
         head.gather_output = kwargs.get("labels") is None
@@ -248,9 +196,11 @@ def _wire_loss(model, mesh, mplan, builder) -> None:
     model.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
-def causal_lm_loss(logits, labels, group, num_items_in_batch=None, ignore_index=-100, shift_labels=None):
+def causal_lm_loss(logits, labels, group, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                   vocab_size=None):
     """transformers' ForCausalLMLoss on vocabulary-split logits (``group`` = the TP group; None for full
-    logits): shift, at least fp32, mean (or sum / items)."""
+    logits): shift, at least fp32, mean (or sum / items). ``vocab_size``: the real vocabulary of padded
+    split logits."""
     if shift_labels is None:
         labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
@@ -262,7 +212,7 @@ def causal_lm_loss(logits, labels, group, num_items_in_batch=None, ignore_index=
                                            ignore_index=ignore_index, reduction=reduction)
     else:
         loss = vocab_parallel_cross_entropy(logits, shift_labels, group, ignore_index=ignore_index,
-                                            reduction=reduction)
+                                            reduction=reduction, vocab_size=vocab_size)
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                        else num_items_in_batch)
@@ -276,8 +226,9 @@ def _gpt_tp_forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
         x = block(x)
     logits = self.head(x)  # [b, s, V/t]
     if targets is None:
-        return gather_from_tp(logits, self._tp_group, -1)
-    return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self._tp_group)
+        return gather_from_tp(logits, self._tp_group, -1)[..., :self.head.lm_head.valid_out]
+    return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self._tp_group,
+                                        vocab_size=self.head.lm_head.valid_out)
 
 
 def _wire_sequence_parallel(model, mesh) -> None:
