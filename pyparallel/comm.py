@@ -353,6 +353,20 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Group, async_o
     return _run("all_gather", group, nbytes, issue, async_op, fp_tensor=tensor)
 
 
+def all_gather_in_place(tensor: torch.Tensor, group: Group, async_op: bool = False):
+    """All-gather whose input is this rank's own slice r of ``tensor`` (N equal slices): afterwards slice j
+    holds rank j's. ZeRO's weights when the optimizer updated the slice in place. NCCL and gloo's broadcast
+    path gather in place; gloo's own all-gather gets a copy of the slice (it must not alias the output)."""
+    n = group.size
+    if tensor.numel() % n:
+        raise ValueError(f"all_gather_in_place on group '{group.name}': {tensor.numel()} elements do not split "
+                         f"into {n} equal slices")
+    flat = tensor.view(-1)
+    mine = flat.view(n, -1)[group.rank]
+    aliased_ok = group.backend == "nccl" or _gloo_direct(group, flat, _GLOO_GATHER_BYTES) or n == 1
+    return all_gather(flat, mine if aliased_ok else mine.clone(), group, async_op=async_op)
+
+
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Group, op: str = "sum", async_op=False):
     """Reduce ``tensor`` (N x output elements) over ``group``; rank r keeps slice r in ``output``."""
     if tensor.numel() != output.numel() * group.size:

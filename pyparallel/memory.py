@@ -21,7 +21,7 @@ import torch.nn as nn
 
 
 def _tensor_bytes(obj) -> int:
-    from pyparallel.zero.step import tensor_bytes
+    from pyparallel.zero.updater import tensor_bytes
 
     return tensor_bytes(obj)
 
@@ -63,18 +63,15 @@ def _ddp(model, optimizer) -> dict:
     return _report(pbytes, gbytes, obytes, 0, buffers)
 
 
-def _zero(model, optimizer) -> dict:
-    from pyparallel.zero.step import DeviceUpdater
+def _sharded(engine) -> dict:
+    from pyparallel.zero.updater import DeviceUpdater
 
-    eng = model.engine
-    states, buffers, pad = eng.memory_parts()
-    updater = eng.updater
-    S = eng.space.numel
+    states, buffers, pad = engine.memory_parts()
+    updater = engine.updater
     if isinstance(updater, DeviceUpdater):
         opt = updater.state_bytes()["optimizer"]
-        # The fp32 master: a separate tensor unless stage 3 computes in fp32 (then the shard is the master).
-        master = 0 if eng.master_is_param_shard else S * 4
-        return _report(states["params"], states["grads"], opt, master, buffers, padding_elements=pad)
+        # The master: a tensor of its own only when the weights are kept in another (lower) precision.
+        return _report(states["params"], states["grads"], opt, engine.master_bytes(), buffers, padding_elements=pad)
     host = {k: int(v) for k, v in updater.state_bytes().items() if isinstance(v, (int, float))}
     return _report(states["params"], states["grads"], 0, 0, buffers, cpu=host, padding_elements=pad)
 
@@ -86,16 +83,19 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     the optimizer is offloaded, not in the totals); ``padding_elements`` (elements ZeRO's flat groups add
     over all ranks); ``total`` = model states + buffers.
 
-    ``model`` may be a ``pyparallel.zero`` model, a ``pyparallel.DataParallel`` or a plain module (then
+    ``model`` may be a ``pyparallel.zero`` model, a ``pyparallel.parallelize`` model (this rank's stage and
+    TP shard), a ``pyparallel.DataParallel`` or a plain module (then
     ``optimizer`` is any torch optimizer). Call after the first optimizer step.
     """
     from pyparallel.data_parallel.ddp import DataParallel
-    from pyparallel.zero.module import ZeroModule
+    from pyparallel.zero.engine import ShardEngine
 
-    if isinstance(model, ZeroModule):
-        return _zero(model, optimizer)
+    engine = getattr(model, "engine", None)
+    if isinstance(engine, ShardEngine):  # pyparallel.zero.setup's and pyparallel.parallelize's models
+        return _sharded(engine)
     if isinstance(model, DataParallel):
         return _ddp(model, optimizer)
     if isinstance(model, nn.Module):
         return _plain(model, optimizer)
-    raise ValueError(f"model_state_bytes needs an nn.Module (plain, DataParallel or ZeRO), got {model!r}")
+    raise ValueError(f"model_state_bytes needs an nn.Module (plain, DataParallel, ZeRO) or a parallelize() model, "
+                     f"got {model!r}")

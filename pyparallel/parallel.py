@@ -15,14 +15,18 @@ What happens to the model, in order (every rank builds the same full model first
 2. Pipeline parallelism over ``mesh.pp_group``: ``to_blocks`` splits the model into embedding, layers and
    head, and each rank keeps its chunk(s); ``schedule`` is "gpipe", "1f1b" or "interleaved". With one
    stage this is plain micro-batching (gradient accumulation).
-3. Data parallelism over ``mesh.dp_group`` by ``combined.engine.DPEngine``: plain (``zero_stage=0``), or
-   ZeRO stage 1 / 2 (optimizer state / + gradients sharded over the DP ranks). The optimizer is built by
-   the engine over this rank's flat master slice, so it must be element-wise (AdamW, Adam, SGD, ...).
+3. Data parallelism over ``mesh.dp_group`` by the one sharded engine (``zero.engine.ShardEngine``): plain
+   (``zero_stage=0``), or ZeRO stage 1 / 2 / 3 (optimizer state / + gradients / + parameters sharded over
+   the DP ranks of the stage; a TP shard is sharded again over DP, as FSDP2 over DTensor does). The
+   optimizer is built by the engine over this rank's slices, so it must be element-wise (AdamW, SGD, ...).
 
-ZeRO stage 3 is refused here: it gathers each layer's parameters just before use and frees them after,
-which fights the pipeline's interleaving of micro-batches (every micro-batch's forward and backward
-would gather every layer again) and would need the tied-weight reduction inside the gather; use
-``pyparallel.zero.setup(model, mesh, stage=3)`` for data parallelism alone, or stage 1/2 here.
+ZeRO stage 3 here keeps a stage's weights sharded between steps and gathers them once per step, when the
+first micro-batch starts; they stay gathered through the step's micro-batches (forward and backward of
+each) and are freed after the optimizer step, the gradients being accumulated and reduce-scattered once --
+torchtitan's choice for PP + FSDP. Traffic per step is one all-gather and one reduce-scatter of the stage's
+weights (2Ψ/stage, instead of 3Ψ·m if every micro-batch gathered every layer again); the peak holds the
+stage's full weights and gradients. ``pyparallel.zero.setup(model, mesh, stage=3)`` gathers layer by layer
+instead (data parallelism alone).
 """
 
 from __future__ import annotations
@@ -31,11 +35,17 @@ import torch
 import torch.nn as nn
 
 from pyparallel import amp
-from pyparallel.combined import pieces
-from pyparallel.combined.engine import DPEngine
 from pyparallel.combined.layout import describe, tp_owners
 from pyparallel.combined.pipe import StagePipeline
+from pyparallel.data_parallel.ddp import check_same_signature
 from pyparallel.mesh import ParallelMesh
+from pyparallel.zero import groups as groups_mod
+from pyparallel.zero import pieces
+from pyparallel.zero.engine import NONFINITE, EngineConfig, ShardEngine
+from pyparallel.zero.flat_param import FlatLayout
+from pyparallel.zero.optimizer import ShardOptimizer
+
+ParallelOptimizer = ShardOptimizer  # the optimizer of a ParallelModel (one facade for every sharded model)
 
 __all__ = ["ParallelModel", "ParallelOptimizer", "parallelize"]
 
@@ -46,14 +56,8 @@ def _check(model, mesh, zero_stage, optimizer, kwargs, clip_grad_norm, bucket_ca
         raise ValueError(f"mesh must be a pyparallel.ParallelMesh (from pyparallel.init()), got {mesh!r}")
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
-    if zero_stage == 3:
-        raise ValueError("zero_stage=3 does not compose with pyparallel.parallelize: stage 3 re-gathers each "
-                         "layer for every micro-batch's forward and backward and cannot sum a weight tied "
-                         "across pipeline stages; use zero_stage=1 or 2 here (the optimizer state, and with 2 "
-                         "the gradients, are still sharded over dp), or pyparallel.zero.setup(model, mesh, "
-                         "stage=3) for data parallelism alone")
-    if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
-        raise ValueError(f"zero_stage must be 0 (plain data parallel), 1 or 2, got {zero_stage!r}")
+    if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
+        raise ValueError(f"zero_stage must be 0 (plain data parallel), 1, 2 or 3, got {zero_stage!r}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
     if not bucket_cap_mb or bucket_cap_mb <= 0:
@@ -109,34 +113,57 @@ def _local_params(pipe, infos, ties, mesh):
     return named
 
 
+def _layouts(named, tie_groups, world: int, cap_bytes: int, elem: int, group_of: dict, n_groups: int):
+    """This stage's flat groups: each cross-stage tied weight alone (the same layout on every stage holding
+    it), then gradient buckets of the rest, each ordered by parameter group."""
+    trainable = [(info.name, p) for info, p in named if p.requires_grad]
+    if not trainable:
+        raise ValueError("this pipeline stage has no trainable parameters: nothing to optimize")
+    tied = [(n, p) for n, p in trainable if id(p) in tie_groups]
+    rest = [(n, p) for n, p in trainable if id(p) not in tie_groups]
+    layouts = [FlatLayout([n], [p], world) for n, p in tied]
+    ties = [(g, tie_groups[id(p)]) for g, (_, p) in enumerate(tied)]
+    if rest:
+        layouts += groups_mod.grouped_buckets(rest, cap_bytes, world, elem, group_of, n_groups)
+    return layouts, ties
+
+
 def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, param_dtype=None,
                 reduce_dtype: torch.dtype = torch.float32, mixed_precision: amp.MixedPrecision | None = None,
                 num_microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
-                optimizer=torch.optim.AdamW, lr: float | None = None, clip_grad_norm: float | None = None,
-                offload_optimizer: bool = False, tp_plan: dict | None = None, loss_fn=None,
-                bucket_cap_mb: float = 25.0, loss_scaler: amp.DynamicLossScaler | None = None,
-                activation_checkpointing: bool = False, **optimizer_kwargs) -> ParallelModel:
+                optimizer=torch.optim.AdamW, lr: float | None = None, param_groups=None,
+                clip_grad_norm: float | None = None, offload_optimizer: bool = False, tp_plan: dict | None = None,
+                loss_fn=None, bucket_cap_mb: float = 25.0, loss_scaler: amp.DynamicLossScaler | None = None,
+                activation_checkpointing: bool = False, nonfinite: str = "raise",
+                **optimizer_kwargs) -> ParallelModel:
     """Parallelize ``model`` over ``mesh`` (dp x tp x pp) and build its optimizer; see the module doc.
 
     Args:
-        zero_stage: 0 (replicated optimizer), 1 (optimizer state + master sharded over dp), 2 (+ gradients).
+        zero_stage: 0 (replicated optimizer), 1 (optimizer state + master sharded over dp), 2 (+ gradients),
+            3 (+ weights between steps; gathered once per step, see the module doc).
         param_dtype / reduce_dtype / mixed_precision: the precision policy (``amp.MixedPrecision``): compute
             weights in ``param_dtype`` (None: the model's), gradients summed across ranks and micro-batches
             in ``reduce_dtype``; the master weights and optimizer state are fp32 (fp64 for an fp64 model).
             fp16 turns on dynamic loss scaling (``loss_scaler``).
         num_microbatches: micro-batches per step (default: pp); the batch must divide by it.
-        schedule / virtual_stages: the pipeline schedule ("gpipe", "1f1b", "interleaved").
-        optimizer, lr, **optimizer_kwargs: an element-wise optimizer class and its arguments.
+        schedule / virtual_stages: the pipeline schedule ("gpipe", "1f1b", "interleaved", ...).
+        optimizer, lr, **optimizer_kwargs: an element-wise optimizer class and its default arguments.
+        param_groups: ``torch.optim``-style groups over ``model``'s own parameters, as in
+            ``pyparallel.zero.setup``; the optimizer's param_groups are these, in order.
         clip_grad_norm: clip by the global gradient norm of the whole model (all three axes).
         offload_optimizer: master weights and optimizer state on the host (ZeRO-Offload).
         tp_plan: a tensor-parallel plan (default: the built-in one for the model).
         loss_fn: ``loss_fn(outputs, targets)`` (mean over the micro-batch); default: token cross-entropy
             (vocabulary-parallel under TP).
+        nonfinite: "raise" (default), "skip" or "ignore" a step whose gradients hold inf/NaN (see zero.setup).
     """
     kwargs = dict(optimizer_kwargs)
     if lr is not None:
         kwargs["lr"] = lr
     _check(model, mesh, zero_stage, optimizer, kwargs, clip_grad_norm, bucket_cap_mb)
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE)}; got {nonfinite!r}")
+    options, group_of = groups_mod.resolve(param_groups, model, optimizer, kwargs)
     policy = mixed_precision or amp.MixedPrecision(param_dtype, reduce_dtype)
     module_dtype = next(p.dtype for p in model.parameters() if p.requires_grad)
     compute = policy.compute_dtype(module_dtype)
@@ -144,6 +171,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
     reduce = torch.float64 if module_dtype == torch.float64 else policy.reduce_dtype
     if loss_scaler is not None and compute != torch.float16:
         raise ValueError("loss_scaler only applies with param_dtype=torch.float16")
+    signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     scaler = (loss_scaler or amp.DynamicLossScaler()) if compute == torch.float16 else None
     loss_fn = _tensor_parallel(model, mesh, tp_plan, loss_fn)
     owners = tp_owners(model)
@@ -154,19 +182,23 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
     pipe = StagePipeline(model, mesh, schedule=schedule, num_microbatches=num_microbatches or mesh.pp,
                          virtual_stages=virtual_stages, loss_fn=loss_fn, reduce_dp_grads=False,
                          activation_checkpointing=activation_checkpointing)
+    # The first collective, after every configuration error: all ranks must hold the same model (a mismatch
+    # would otherwise surface as a size mismatch inside a TP or pipeline collective, or an abort in gloo).
+    check_same_signature(signature, mesh.world_group, "parallelize")
     ties = pipe.tie_groups()
     named = _local_params(pipe, infos, ties, mesh)
-
-    def factory(params):
-        return optimizer(params, **kwargs)
-
-    # torch's own implementation choices (foreach/fused/...) are respected when given; the fused kernel is fp32.
-    fuse = master == torch.float32 and not any(k in kwargs for k in ("foreach", "fused", "capturable",
-                                                                      "differentiable"))
-    engine = DPEngine(named, mesh, stage=zero_stage, compute_dtype=compute, reduce_dtype=reduce, master_dtype=master,
-                      cap_bytes=max(1, int(bucket_cap_mb * 2**20)), tie_groups={k: g for k, (g, _) in ties.items()},
-                      optimizer_factory=factory, offload=offload_optimizer, fuse=fuse, scaler=scaler,
-                      clip_grad_norm=clip_grad_norm)
+    world = mesh.dp if zero_stage >= 1 else 1
+    layouts, tie_groups = _layouts(named, {k: g for k, (g, _) in ties.items()}, world,
+                                   max(1, int(bucket_cap_mb * 2**20)), torch.empty((), dtype=compute).element_size(),
+                                   group_of, len(options))
+    # torch's own implementation choices (foreach/fused/...) are respected when given.
+    fuse = not any(k in kwargs for k in ("foreach", "fused", "capturable", "differentiable"))
+    cfg = EngineConfig(stage=zero_stage, compute_dtype=compute, reduce_dtype=reduce, master_dtype=master,
+                       accum_dtype=reduce, reduce_op="sum", overlap=False, gather_per_step=zero_stage == 3,
+                       offload=offload_optimizer, fuse=fuse, clip_grad_norm=clip_grad_norm, nonfinite=nonfinite)
+    engine = ShardEngine(named, layouts, cfg, group=mesh.dp_group, check_group=mesh.world_group, device=mesh.device,
+                         optimizer_cls=optimizer, defaults=kwargs, options=options, group_of=group_of,
+                         tie_groups=tie_groups, dp_owner=mesh.dp_rank == 0, scaler=scaler)
     if compute != module_dtype:
         pipe.retype(compute)
     return ParallelModel(model, mesh, pipe, engine, policy, buffer_names)
@@ -183,10 +215,11 @@ class ParallelModel:
     ``pyparallel.checkpoint.save(path, model, model.optimizer, step=...)`` and ``load``, in any layout.
     """
 
-    def __init__(self, module, mesh, pipe: StagePipeline, engine: DPEngine, policy, buffer_names):
+    def __init__(self, module, mesh, pipe: StagePipeline, engine: ShardEngine, policy, buffer_names):
         self.module, self.mesh, self.pipe, self.engine, self.policy = module, mesh, pipe, engine, policy
         self._buffer_names = buffer_names
-        self.optimizer = ParallelOptimizer(engine)
+        engine.sync = False  # gradients accumulate over the micro-batches; the step reduces them
+        self.optimizer = ShardOptimizer(engine)
 
     # ----------------------------------------------------------------------------------- training
 
@@ -194,6 +227,7 @@ class ParallelModel:
         """Forward and backward of one batch (gradients accumulate until ``optimizer.step()``)."""
         if inputs.is_floating_point() and inputs.dtype != self.engine.compute_dtype:
             inputs = inputs.to(self.engine.compute_dtype)
+        self.engine.begin_step()  # ZeRO-3: gather this stage's weights (once per step)
         return self.pipe.step(inputs, targets)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -254,44 +288,12 @@ class ParallelModel:
 
     # -------------------------------------------------------------------------------- checkpoints
 
-    def checkpoint_pieces(self):
-        return pieces.model_pieces(self)
-
-    def load_checkpoint_pieces(self, reader, manifest) -> None:
-        pieces.load_model(self, reader)
-
-
-class ParallelOptimizer(torch.optim.Optimizer):
-    """The optimizer of a :class:`ParallelModel`: ``step()`` reduces the gradients over the DP group (and
-    tied weights over their stages), clips by the global norm, updates this rank's slice and refreshes the
-    weights. ``param_groups`` are the inner optimizer's (LR schedulers work); ``state`` is this rank's
-    slice. Checkpoint it with ``pyparallel.checkpoint.save(path, model, model.optimizer, ...)``."""
-
-    def __init__(self, engine: DPEngine):
-        self.engine = engine
-        inner = engine.updater.optimizer
-        super().__init__([p for g in inner.param_groups for p in g["params"]], dict(inner.defaults))
-        self.param_groups = inner.param_groups
-        self.state = inner.state
-        self.inner = inner
-
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.engine.step()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
+    def _piece_buffers(self):
+        owner = self.mesh.dp_rank == 0 and self.mesh.tp_rank == 0
+        return [(name, buf, owner) for name, buf in self.named_buffers()]
 
     def checkpoint_pieces(self):
-        return pieces.optimizer_pieces(self.engine)
+        return pieces.model_pieces(self.engine, self._piece_buffers(), self.mesh.dp_rank == 0)
 
     def load_checkpoint_pieces(self, reader, manifest) -> None:
-        pieces.load_optimizer(self.engine, reader, manifest)
-        self.state = self.inner.state
-
-    def __repr__(self) -> str:
-        return f"ParallelOptimizer(zero_stage={self.engine.stage}, inner={type(self.inner).__name__})"
+        pieces.load_model(self.engine, reader, self._piece_buffers())

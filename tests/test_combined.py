@@ -174,7 +174,7 @@ def precision_body():
     pm = pyparallel.parallelize(gpt(torch.float32), mesh, zero_stage=2, num_microbatches=2, lr=LR, weight_decay=WD,
                                 param_dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in pm.parameters())
-    assert pm.engine.updater.master.dtype == torch.float32 and pm.engine.grad_shard.dtype == torch.float32
+    assert pm.engine.master.dtype == torch.float32 and pm.engine.grad_shard.dtype == torch.float32
     losses = train(pm)[0]
     bf16 = torch.tensor(losses, dtype=torch.bfloat16)
     torch.testing.assert_close(bf16, torch.tensor(ref_losses, dtype=torch.bfloat16))  # bf16 tolerance
@@ -206,7 +206,7 @@ def bad_config_body():
 
     errors = []
     cases = [
-        (dict(dp=4), dict(zero_stage=3), "zero_stage=3"),
+        (dict(dp=4), dict(zero_stage=4), "zero_stage must be"),
         (dict(tp=4), dict(), "divisible by 4"),  # 2 heads cannot split 4 ways
         (dict(pp=4), dict(num_microbatches=4), "only 3 blocks"),
         (dict(pp=2, dp=2), dict(num_microbatches=1), "num_microbatches (1)"),

@@ -20,7 +20,7 @@ from pyparallel import memory, zero
 from pyparallel.models.gpt import GPT, gpt_config, synthetic_batch
 
 CFG = gpt_config("tiny")  # the built-in GPT preset (tied embedding / LM head)
-STEP_SCALAR = 4  # AdamW's state["step"]: one fp32 scalar per optimizer parameter
+STEP = 4  # AdamW's state["step"]: one fp32 scalar per optimizer tensor
 
 
 def _one_step(model, opt, rank=0, world=1):
@@ -47,6 +47,7 @@ def memory_body():
             _one_step(model, opt, rank, n)
             rep = memory.model_state_bytes(model, opt)
             psi_pad, s = model.engine.space.padded_numel, model.engine.space.numel
+            STEP_SCALAR = STEP * len(model.engine.runs)  # one step count per optimizer tensor (run)
             assert psi_pad == s * n and rep["padding_elements"] == psi_pad - psi
             assert rep["optimizer"] == 8 * s + STEP_SCALAR and rep["master"] == 4 * s
             rb = 2 if reduce_dtype == torch.bfloat16 else 4
@@ -65,17 +66,27 @@ def memory_body():
                 assert abs(rep["model_states"] - paper(stage, psi, n)) <= 16 * (psi_pad - psi) + STEP_SCALAR
             assert rep["buffers"] and rep["total"] == rep["model_states"] + rep["buffers_total"]
             out[(stage, str(reduce_dtype))] = rep["model_states"]
+        # fp32 training keeps no separate master copy: the fp32 analogue of the paper's figures, exactly
+        # (4 bytes of weights + 4 of gradients + 8 of Adam moments per parameter).
+        model, opt = zero.setup(GPT(CFG), mesh, stage=stage, optimizer=torch.optim.AdamW, lr=1e-3, bucket_cap_mb=0.05)
+        _one_step(model, opt, rank, n)
+        rep = memory.model_state_bytes(model, opt)
+        psi_pad, s = model.engine.space.padded_numel, model.engine.space.numel
+        steps = STEP * len(model.engine.runs)
+        assert rep["master"] == 0 and rep["optimizer"] == 8 * s + steps, (stage, rep)
+        fp32 = {1: 8 * psi_pad + 8 * s, 2: 4 * psi_pad + 12 * s, 3: 16 * s}[stage]
+        assert rep["model_states"] == fp32 + steps, (stage, rep)
     # DDP (fp32 Adam, the paper's 16Ψ) and a plain module with a torch optimizer.
     ddp = pyparallel.DataParallel(GPT(CFG), mesh)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     _one_step(ddp, opt, rank, n)
     k = len(list(ddp.parameters()))
     rep = memory.model_state_bytes(ddp, opt)
-    assert rep["model_states"] == 16 * psi + STEP_SCALAR * k, rep
+    assert rep["model_states"] == 16 * psi + STEP * k, rep
     plain = GPT(CFG)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     _one_step(plain, opt)
-    assert memory.model_state_bytes(plain, opt)["model_states"] == 16 * psi + STEP_SCALAR * k
+    assert memory.model_state_bytes(plain, opt)["model_states"] == 16 * psi + STEP * k
     out["ddp"] = rep["model_states"]
     return out, psi
 
@@ -103,8 +114,9 @@ def comm_body(tie):
         stats = pyparallel.comm_stats()["by_op_axis"]
         eng = model.engine
         units = [lay.padded for lay in eng.layouts]
-        root = eng.root.layout.padded if stage == 3 and eng.root is not None else 0
-        last = sum(eng.layouts[i].padded for i in eng._keep) if stage == 3 else 0  # gathered from forward to backward
+        gat = eng.gatherer
+        root = gat.root.layout.padded if stage == 3 and gat.root is not None else 0
+        last = sum(eng.layouts[i].padded for i in gat._keep) if stage == 3 else 0  # gathered from forward to backward
         out[stage] = (stats, units, root, last)
     ddp = pyparallel.DataParallel(cfg_model(), mesh)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -121,7 +133,9 @@ def test_bytes_per_step(world):
         for stage in (1, 2, 3):
             stats, units, root, last = out[stage]
             psi_pad = sum(units)
-            assert set(stats) == {"reduce_scatter@dp", "all_gather@dp"}, stats  # nothing else per step
+            # Nothing else per step but the non-finite check: one all-reduce of (flag, squared norm) in fp64.
+            assert set(stats) == {"reduce_scatter@dp", "all_gather@dp", "all_reduce@dp"}, stats
+            assert stats.pop("all_reduce@dp")["payload_bytes"] == 2 * 8
             rs, ag = stats["reduce_scatter@dp"], stats["all_gather@dp"]
             assert rs["payload_bytes"] == 4 * psi_pad  # every gradient element reduced once
             gathers = 1 if stage < 3 else 2  # stage 3: before forward and again before backward

@@ -69,12 +69,11 @@ def fp32_parity_body(ref):
 def _assert_padding_is_zero(model):
     """The padded tail of every flat group holds zero weights on the rank that owns it: nothing leaked."""
     eng = model.engine
-    master = eng.updater.master
     for g, lay in enumerate(eng.space.layouts):
         a, b = lay.shard_range(eng.space.rank)
         lo = max(a, lay.numel)
         if lo < b:
-            assert torch.all(eng.space.slice(master, g)[lo - a:] == 0), f"group {g}: padding is not zero"
+            assert torch.all(eng.master_slice(g)[lo - a:] == 0), f"group {g}: padding is not zero"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -201,7 +200,7 @@ def stack_body(ref):
             for pname, value in ref[name].items():
                 torch.testing.assert_close(params[pname], value, msg=f"stage {stage}, {name}: {pname}")
             if stage == 3:
-                units[name] = [u.spec.name for u in model.engine.units]
+                units[name] = [u.spec.name for u in model.engine.gatherer.units]
     return units
 
 

@@ -6,7 +6,7 @@ import torch
 from pyparallel import _ops
 from pyparallel.amp import DynamicLossScaler, MixedPrecision, scale_outputs
 from pyparallel.zero.flat_param import FlatLayout, ShardSpace, padded_size, plan_buckets
-from pyparallel.zero.step import DeviceUpdater
+from pyparallel.zero.updater import DeviceUpdater
 
 
 def test_padding_and_shard_ranges():
@@ -40,9 +40,15 @@ def test_buckets_fill_from_the_last_parameter():
 
 
 def _run_updater(fuse, out_dtype, steps=5):
-    master = torch.randn(1001, generator=torch.Generator().manual_seed(0))
-    updater = DeviceUpdater(master.clone(), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-                            torch.device("cpu"), fuse=fuse)
+    master = torch.randn(1001, generator=torch.Generator().manual_seed(0)).clone()
+    ranges = [(0, 400), (400, 1001)]  # two runs: two tensors of the inner optimizer, in two param groups
+
+    def build(ps):
+        return torch.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}], lr=1e-2,
+                                 weight_decay=0.1)
+
+    updater = DeviceUpdater([master[s:e] for s, e in ranges], ranges, build, torch.device("cpu"), fuse=fuse)
+    updater.master = master
     out = torch.empty(1001, dtype=out_dtype)
     for s in range(steps):
         updater.push_grad(torch.randn(1001, generator=torch.Generator().manual_seed(10 + s)))
@@ -58,9 +64,11 @@ def test_fused_updater_matches_torch_adamw(out_dtype):
     assert fused.fused == _ops.has_kernel("adam_step", torch.device("cpu")) and not plain.fused
     torch.testing.assert_close(fused.master, plain.master)
     assert torch.equal(out_f, fused.master.to(out_dtype))  # the compute copy is the rounded master
-    state = fused.optimizer.state[fused.param]
-    assert int(state["step"]) == 5 and set(state) >= {"exp_avg", "exp_avg_sq"}
-    assert fused.state_bytes()["optimizer"] == 2 * 1001 * 4 + 4
+    for p in fused.params:
+        state = fused.optimizer.state[p]
+        assert int(state["step"]) == 5 and set(state) >= {"exp_avg", "exp_avg_sq"}
+    assert fused.state_bytes()["optimizer"] == 2 * 1001 * 4 + 2 * 4  # moments, and one step count per run
+    assert [g["weight_decay"] for g in fused.optimizer.param_groups] == [0.1, 0.0]
 
 
 def test_loss_scaler_schedule_and_output_scaling():

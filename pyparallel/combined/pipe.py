@@ -21,7 +21,7 @@ class StagePipeline(PipelineParallel):
     """``PipelineParallel`` whose tied gradients are reduced by the DP engine (see the module doc)."""
 
     def _reduce_tied(self) -> None:
-        return None  # DPEngine._reduce sums tied weights over their stages, on its own buffers
+        return None  # ShardEngine.finish_reductions sums tied weights over their stages, on its own buffers
 
     def tie_groups(self) -> dict[int, tuple]:
         """id(parameter) -> (group, pipeline stages holding it) for this rank's cross-stage tied weights."""

@@ -30,7 +30,12 @@ def check_same_parameters(named_params, group: comm.Group, what: str = "data-par
 
     One all-gather of (name, shape, dtype) triples, so it can neither hang on a shape mismatch nor
     corrupt anything: it is the first collective a wrapper issues."""
-    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named_params]
+    check_same_signature([(n, tuple(p.shape), str(p.dtype)) for n, p in named_params], group, what)
+
+
+def check_same_signature(mine: list[tuple[str, tuple, str]], group: comm.Group, what: str) -> None:
+    """:func:`check_same_parameters` on (name, shape, dtype) triples taken earlier (before a wrapper split
+    the model, so that the check can come after its own configuration errors and still see whole tensors)."""
     everyone = comm.all_gather_object(mine, group)
     for theirs in everyone:
         if theirs == everyone[0]:

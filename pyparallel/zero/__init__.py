@@ -24,15 +24,20 @@ import torch
 import torch.nn as nn
 
 from pyparallel.amp import DynamicLossScaler, MixedPrecision
+from pyparallel.combined.layout import describe
 from pyparallel.data_parallel.ddp import DataParallel, broadcast_tensors, check_same_parameters
 from pyparallel.mesh import ParallelMesh
+from pyparallel.zero import groups as groups_mod
+from pyparallel.zero.engine import NONFINITE, EngineConfig, NonFiniteGradientError, ShardEngine
+from pyparallel.zero.flat_param import FlatLayout
 from pyparallel.zero.module import ZeroModule
-from pyparallel.zero.optimizer import Stage12Engine
-from pyparallel.zero.stage3 import Stage3Engine
-from pyparallel.zero.step import DeviceUpdater, ZeroOptimizer
-from pyparallel.zero.wrap import select_units
+from pyparallel.zero.optimizer import ShardOptimizer
+from pyparallel.zero.stage3 import UnitGatherer
+from pyparallel.zero.wrap import assign_parameters, fold_small_units, select_units
 
-__all__ = ["ZeroModule", "ZeroOptimizer", "setup"]
+ZeroOptimizer = ShardOptimizer  # the name zero.setup's optimizer had before the engines were one
+
+__all__ = ["NonFiniteGradientError", "ShardOptimizer", "ZeroModule", "ZeroOptimizer", "setup"]
 
 # Optimizers whose update of each element depends only on that element's gradient and state: exact on a
 # flat shard. Factored or whole-matrix methods (Adafactor, Muon, LBFGS, Shampoo) are not.
@@ -43,7 +48,9 @@ _ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSpro
 def _check_optimizer(optimizer, kwargs: dict) -> None:
     if isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be an optimizer class such as torch.optim.AdamW, not an instance "
-                         f"({type(optimizer).__name__} object): ZeRO builds it over each rank's shard")
+                         f"({type(optimizer).__name__} object): the engine builds it over each rank's shard. Pass "
+                         f"the class, its arguments as keywords (lr=..., weight_decay=...), and its parameter "
+                         f"groups as param_groups=[{{'params': [...], 'weight_decay': 0.0}}, ...]")
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer subclass, got {optimizer!r}")
     known = optimizer.__module__.startswith("torch.optim") and optimizer.__name__ in _ELEMENTWISE
@@ -88,20 +95,11 @@ def _check_args(module, mesh, stage, bucket_cap_mb, clip_grad_norm, wrap_policy)
                          f"move the module with module.to(mesh.device) first")
 
 
-def _make_updater(engine, offload: bool, factory, device, kwargs: dict):
-    if not offload:
-        # torch's own implementation choices (foreach/fused/capturable) are respected when given.
-        fuse = not any(k in kwargs for k in ("foreach", "fused", "capturable", "differentiable"))
-        return DeviceUpdater(engine.master_init, factory, device, fuse=fuse)
-    from pyparallel.zero.offload import OptimizerOffload  # lazy: owned and tested separately
-
-    return OptimizerOffload(engine.master_init.clone(), factory, device)
-
-
 def setup(module: nn.Module, mesh: ParallelMesh, stage: int = 1, optimizer=torch.optim.AdamW, lr: float | None = None,
-          *, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
+          *, param_groups=None, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
           bucket_cap_mb: float = 25.0, clip_grad_norm: float | None = None, offload_optimizer: bool = False,
-          wrap_policy=None, loss_scaler: DynamicLossScaler | None = None, **optimizer_kwargs):
+          wrap_policy=None, loss_scaler: DynamicLossScaler | None = None, nonfinite: str = "raise",
+          **optimizer_kwargs):
     """Wrap ``module`` for ZeRO ``stage`` over ``mesh``'s data-parallel group; returns ``(model, optimizer)``.
 
     Args:
@@ -109,22 +107,32 @@ def setup(module: nn.Module, mesh: ParallelMesh, stage: int = 1, optimizer=torch
         mesh: the :class:`pyparallel.ParallelMesh`; ``mesh.dp_group`` carries every collective.
         stage: 1 (optimizer state + master sharded), 2 (+ gradients), 3 (+ parameters).
         optimizer: an element-wise optimizer class (AdamW, Adam, SGD, ..., pyparallel.optim.CPUAdam),
-            built by ZeRO over this rank's flat fp32 master shard with ``lr`` and ``optimizer_kwargs`` (one
-            parameter group: every parameter gets the same hyper-parameters).
+            built by the engine over this rank's shard with ``lr`` and ``optimizer_kwargs`` as defaults.
+        param_groups: ``torch.optim``-style groups over ``module``'s own parameters
+            (``[{"params": [...], "weight_decay": 0.0}, ...]``), each group's options overriding the
+            defaults; parameters in no group get the defaults (one more group, last). The optimizer's
+            ``param_groups`` are these, in this order (LR schedulers work).
         param_dtype: compute dtype (torch.bfloat16 / torch.float16) with fp32 master weights in the
-            shards; None keeps the module's dtype. fp16 turns on dynamic loss scaling (``loss_scaler``).
+            shards; None keeps the module's dtype (then no separate master copy is kept).
+            fp16 turns on dynamic loss scaling (``loss_scaler``).
         reduce_dtype: dtype of gradient reductions and gradient shards (fp32 by default).
         bucket_cap_mb: bucket size for stages 1-2 (MiB of compute-dtype weights).
         clip_grad_norm: clip by the global gradient norm across all shards (None: no clipping).
         offload_optimizer: keep master weights and optimizer state on the host
             (``pyparallel.zero.offload.OptimizerOffload``).
         wrap_policy: stage 3 only: which modules are gathered as units (see ``pyparallel.zero.wrap``).
+        nonfinite: a step whose gradients hold inf/NaN (fp32/bf16; fp16 skips them through the loss scaler):
+            "raise" (default: ``NonFiniteGradientError`` naming the step and parameter group, nothing
+            updated), "skip" (every rank skips the step) or "ignore" (apply it, no check).
     """
     _check_args(module, mesh, stage, bucket_cap_mb, clip_grad_norm, wrap_policy)
     kwargs = dict(optimizer_kwargs)
     if lr is not None:
         kwargs["lr"] = lr
     _check_optimizer(optimizer, kwargs)
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE)}; got {nonfinite!r}")
+    options, group_of = groups_mod.resolve(param_groups, module, optimizer, kwargs)
     policy = MixedPrecision(param_dtype, reduce_dtype)
     if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
         raise ValueError(f"loss_scaler must be a pyparallel.amp.DynamicLossScaler, got {loss_scaler!r}")
@@ -140,23 +148,44 @@ def setup(module: nn.Module, mesh: ParallelMesh, stage: int = 1, optimizer=torch
     module_dtype = next(p.dtype for p in module.parameters() if p.requires_grad)
     check_same_parameters(list(module.named_parameters()), group, "ZeRO")  # the first collective
     broadcast_tensors([p for p in module.parameters()] + list(module.buffers()), group)
+    compute = policy.compute_dtype(module_dtype)
+    master = torch.float64 if module_dtype == torch.float64 else torch.float32
+    n_groups = len(options)
+    named = list(module.named_parameters())
+    specs = has_root = None
     if stage == 3:
-        engine = Stage3Engine(module, group, policy, mesh.device, module_dtype, wrap_policy)
+        specs, has_root = _units(module, wrap_policy, group_of, n_groups)
+        layouts = [FlatLayout(s.names, s.params, group.size) for s in specs]
     else:
-        engine = Stage12Engine(module, group, stage, policy, max(1, int(bucket_cap_mb * 2**20)), mesh.device,
-                               module_dtype)
-    built = []
-
-    def factory(params):
-        built.append(optimizer(params, **kwargs))
-        return built[-1]
-
-    updater = _make_updater(engine, offload_optimizer, factory, mesh.device, kwargs)
-    engine.attach_updater(updater)
-    if not built:
-        raise RuntimeError("the optimizer updater did not build its optimizer at construction")
-    engine.master_init = None  # the updater owns the master from here on
+        elem = torch.empty((), dtype=compute).element_size()
+        layouts = groups_mod.grouped_buckets([(n, p) for n, p in named if p.requires_grad],
+                                             max(1, int(bucket_cap_mb * 2**20)), group.size, elem, group_of, n_groups)
+    cfg = EngineConfig(stage=stage, compute_dtype=compute, reduce_dtype=policy.reduce_dtype, master_dtype=master,
+                       accum_dtype=compute, reduce_op="avg", offload=offload_optimizer,
+                       fuse=not any(k in kwargs for k in ("foreach", "fused", "capturable", "differentiable")),
+                       clip_grad_norm=clip_grad_norm, nonfinite=nonfinite)
     scaler = (loss_scaler or DynamicLossScaler()) if policy.needs_loss_scaling else None
-    model = ZeroModule(module, engine, policy, scaler, mesh)
-    opt = ZeroOptimizer(engine, engine.updater, built[-1], clip_grad_norm, scaler)
-    return model, opt
+    infos = [(describe(n, p, None, 1, 0), p) for n, p in named]
+    engine = ShardEngine(infos, layouts, cfg, group=group, check_group=group, device=mesh.device,
+                         optimizer_cls=optimizer, defaults=kwargs, options=options, group_of=group_of,
+                         scaler=scaler, per_unit=stage == 3)
+    if stage == 3:
+        engine.gatherer = UnitGatherer(engine, module, specs, has_root)
+    model = ZeroModule(module, engine, policy, mesh)
+    return model, ShardOptimizer(engine)
+
+
+def _units(module, wrap_policy, group_of, n_groups):
+    """Stage 3's units (root first when it has parameters), each unit's parameters ordered by group."""
+    root_spec, specs = assign_parameters(module, select_units(module, wrap_policy))
+    if wrap_policy is None:
+        root_spec, specs = fold_small_units(root_spec, specs)
+    has_root = bool(root_spec.params)
+    specs = ([root_spec] if has_root else []) + specs
+    for spec in specs:
+        order = sorted(range(len(spec.names)), key=lambda i: groups_mod.group_index(spec.names[i], group_of,
+                                                                                    n_groups))
+        spec.names = [spec.names[i] for i in order]
+        spec.params = [spec.params[i] for i in order]
+        spec.slots = [spec.slots[i] for i in order]
+    return specs, has_root

@@ -13,8 +13,7 @@ import torch
 import torch.nn as nn
 
 from pyparallel import amp
-from pyparallel.zero import state
-from pyparallel.zero.flat_param import gather_named
+from pyparallel.zero import pieces
 
 
 class ZeroModule(nn.Module):
@@ -29,16 +28,16 @@ class ZeroModule(nn.Module):
     weights), by the names of ``module.named_parameters()`` before wrapping.
     """
 
-    def __init__(self, module: nn.Module, engine, policy: amp.MixedPrecision,
-                 scaler: amp.DynamicLossScaler | None, mesh=None):
+    def __init__(self, module: nn.Module, engine, policy: amp.MixedPrecision, mesh=None):
         super().__init__()
         self.module = module
         self.mesh = mesh  # pyparallel.checkpoint.save finds the groups here
         self._engine = engine
         self._cast_dtype = policy.param_dtype if policy.param_dtype not in (None, torch.float32) else None
-        self._scaler = scaler
-        if engine.stage == 3:  # the flat shards are this model's parameters now
-            self.flat_shards = nn.ParameterList(engine.shard_params)
+        self._scaler = engine.scaler
+        self._buffer_names = [n for n, _ in module.named_buffers()]
+        if engine.gatherer is not None:  # the flat shards are this model's parameters now
+            self.flat_shards = nn.ParameterList(engine.gatherer.shard_params)
 
     @property
     def stage(self) -> int:
@@ -51,7 +50,8 @@ class ZeroModule(nn.Module):
     def forward(self, *args, **kwargs):
         if self._cast_dtype is not None:
             args, kwargs = amp.cast_inputs(args, kwargs, self._cast_dtype)
-        out = self._engine.run_forward(self.module, args, kwargs)
+        gatherer = self._engine.gatherer
+        out = gatherer.run_forward(self.module, args, kwargs) if gatherer is not None else self.module(*args, **kwargs)
         if self._scaler is not None and torch.is_grad_enabled():
             out = amp.scale_outputs(out, self._scaler)
         return out
@@ -67,19 +67,22 @@ class ZeroModule(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.zero_grad()
 
+    def _piece_buffers(self):
+        first = self.mesh is None or self.mesh.dp_rank == 0
+        return [(n, b, first) for n, b in self.module.named_buffers()]
+
     def checkpoint_pieces(self) -> list:
-        """This rank's pieces for ``pyparallel.checkpoint.save`` (see ``pyparallel.zero.state``)."""
-        return state.model_pieces(self)
+        """This rank's pieces for ``pyparallel.checkpoint.save`` (``pyparallel.zero.pieces``)."""
+        return pieces.model_pieces(self._engine, self._piece_buffers(), self.mesh is None or self.mesh.dp_rank == 0)
 
     def load_checkpoint_pieces(self, reader, manifest: dict) -> None:
         """Called by ``pyparallel.checkpoint.load`` on every rank (a collective in stages 1-2)."""
-        state.load_model_pieces(self, reader)
+        pieces.load_model(self._engine, reader, self._piece_buffers())
 
     @torch.no_grad()
     def full_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        eng = self._engine
-        master = eng.updater.master.to(eng.device)
-        out = gather_named(eng.space, master, eng.group, dtype)
-        for name, p in eng.frozen:
-            out[name] = p.detach().to(dtype).clone()
-        return out
+        """Every parameter at full size by its original name, on every rank (a collective over the DP group)."""
+        from pyparallel.checkpoint import gather_full
+
+        out = gather_full(self.checkpoint_pieces(), self._engine.group)
+        return {k: v.to(dtype) for k, v in out.items() if k not in set(self._buffer_names)}

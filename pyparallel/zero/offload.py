@@ -98,18 +98,21 @@ class OptimizerOffload:
 
     Args:
         master_shard: this rank's flat fp32 master shard (1-D, on the compute device); copied to the host.
-        optimizer_factory: builds the optimizer from ``[master_param]``. When it builds torch.optim.Adam or
+        optimizer_factory: builds the optimizer from the list of master parameters, one per range (views of
+            the host master). When it builds torch.optim.Adam or
             AdamW (or a pyparallel FusedAdam/CPUAdam), its update runs in the fused CPU kernel on its own
             ``param_groups`` and ``state`` (LR schedules and state dicts keep working).
         device: the compute device (where gradient and output shards live).
         cpu_adam: False runs the factory's optimizer as it is (its own ``step``).
         pin_memory: page-locked host buffers; default: when ``device`` is a CUDA device.
         delayed_update / delayed_update_after: the one-step delayed parameter update (changes numerics).
+        ranges: ``(start, end)`` of each optimizer tensor in the shard (default: one, the whole shard).
     """
 
     def __init__(self, master_shard: torch.Tensor, optimizer_factory: Callable[[list[nn.Parameter]],
                  torch.optim.Optimizer], device: torch.device, *, cpu_adam: bool = True,
-                 pin_memory: bool | None = None, delayed_update: bool = False, delayed_update_after: int = 0):
+                 pin_memory: bool | None = None, delayed_update: bool = False, delayed_update_after: int = 0,
+                 ranges: list[tuple[int, int]] | None = None):
         if not isinstance(master_shard, torch.Tensor) or master_shard.dtype != torch.float32 or \
                 master_shard.dim() != 1:
             raise ValueError(f"OptimizerOffload: master_shard must be a 1-D fp32 tensor, got "
@@ -124,8 +127,10 @@ class OptimizerOffload:
         self._engine = _make_engine(self.device, bool(pin))
         self._master = self._engine.alloc(n, torch.float32, "the fp32 master shard")
         self._engine.wait(self._engine.copy(self._master, master_shard.detach()))
-        self._param = nn.Parameter(self._master, requires_grad=True)  # shares the host buffer
-        self.optimizer = optimizer_factory([self._param])
+        # One optimizer tensor per run of the shard (``pyparallel.zero.groups``), each a view of the host buffer.
+        self.ranges = list(ranges) if ranges is not None else [(0, n)]
+        self.params = [nn.Parameter(self._master[s:e], requires_grad=True) for s, e in self.ranges]
+        self.optimizer = optimizer_factory(self.params)
         self.fused = cpu_adam and can_fuse(self.optimizer)
         self._grads: list[torch.Tensor | None] = [None, None]  # two slots: DPU reads one while the other fills
         self._grad_ticket, self._pushed, self._slot = [0, 0], [0, 0], 0
@@ -266,6 +271,9 @@ class OptimizerOffload:
             self._lowp.copy_(self._master)  # a delayed first step ships it before any update wrote it
         return self._lowp
 
+    def _cut(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        return [shard[s:e] for s, e in self.ranges]
+
     def _source(self, dtype: torch.dtype) -> torch.Tensor:
         return self._master if dtype == torch.float32 else self._lowp
 
@@ -274,15 +282,17 @@ class OptimizerOffload:
         grad = self._grads[slot]
         lowp = self._lowp_buffer(out_dtype)
         if self.fused:  # one pass: moments, master and the low-precision copy together
-            fused_step(self.optimizer, grads=[grad], lowp_out=None if lowp is None else [lowp])
+            fused_step(self.optimizer, grads=self._cut(grad), lowp_out=None if lowp is None else self._cut(lowp))
             return
         if grad.dtype != torch.float32:
             if self._grad32 is None:
                 self._grad32 = self._engine.alloc(self.numel, torch.float32, "an fp32 gradient shard")
             grad = self._grad32.copy_(grad)
-        self._param.grad = grad
+        for p, g in zip(self.params, self._cut(grad)):
+            p.grad = g
         self.optimizer.step()
-        self._param.grad = None
+        for p in self.params:
+            p.grad = None
         if lowp is not None:
             lowp.copy_(self._master)
 

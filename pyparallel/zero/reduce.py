@@ -1,7 +1,7 @@
 """Gradient reduce-scatter into shards, asynchronous and bounded: the reduction half of ZeRO stages 1-3.
 
 A full flat gradient (one bucket or one stage-3 unit, padded to a multiple of N) is reduce-scattered
-(averaged over the data-parallel ranks); rank r keeps slice r in its gradient shard. Collectives are
+(averaged or summed over the data-parallel ranks); rank r keeps slice r in its gradient shard. Collectives are
 issued asynchronously so that backward keeps computing the next layers' gradients while they run
 (ZeRO section 5.2: "reduce-scatter ... overlapped with backward"), and at most ``max_inflight`` are
 outstanding: beyond that the oldest is waited for, which bounds the transient full-gradient buffers a
@@ -38,17 +38,17 @@ class _Pending:
 class ShardReducer:
     """Launch reduce-scatters of full flat gradients into shard slices; complete them in launch order."""
 
-    def __init__(self, group: comm.Group, max_inflight: int = 2):
+    def __init__(self, group: comm.Group, max_inflight: int = 2, op: str = "avg"):
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.group = group
         self.max_inflight = max_inflight
+        self.op = op  # "avg" (zero.setup: per-rank mean losses) or "sum" (parallelize: pre-scaled losses)
         self._pending: deque[_Pending] = deque()
-        self.peak_inflight = 0
 
     def launch(self, full: torch.Tensor, target: torch.Tensor, accumulate: bool, scratch: bool = False,
                on_done=None) -> None:
-        """Average ``full`` (N x target.numel() elements) over the group into ``target`` (this rank's slice):
+        """Reduce ``full`` (N x target.numel() elements; mean or sum, ``op``) into ``target`` (this rank's slice):
         ``target += mean`` when ``accumulate``, else ``target = mean``. ``scratch``: ``full`` is a transient
         buffer that may be overwritten (the reduction then runs in place, see
         ``comm.reduce_scatter_in_place``). ``on_done()`` runs after completion (e.g. to free ``full``)."""
@@ -58,14 +58,13 @@ class ShardReducer:
             raise ValueError("the gradient shard must not live inside the buffer being reduced")
         mode = "add" if accumulate else "copy"
         if scratch:
-            handle = comm.reduce_scatter_in_place(full, self.group, op="avg", async_op=True)
+            handle = comm.reduce_scatter_in_place(full, self.group, op=self.op, async_op=True)
             out = full.view(self.group.size, -1)[self.group.rank]
         else:
             out = torch.empty_like(target) if accumulate else target
             mode = "add" if accumulate else "direct"
-            handle = comm.reduce_scatter(out, full, self.group, op="avg", async_op=True)
+            handle = comm.reduce_scatter(out, full, self.group, op=self.op, async_op=True)
         self._pending.append(_Pending(handle, full, out, target, mode, on_done))
-        self.peak_inflight = max(self.peak_inflight, len(self._pending))
         while len(self._pending) > self.max_inflight:
             self._complete_oldest()
 
@@ -83,7 +82,3 @@ class ShardReducer:
         """Wait for every outstanding reduction (end of backward)."""
         while self._pending:
             self._complete_oldest()
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._pending)

@@ -35,11 +35,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from pyparallel import comm
-from pyparallel.amp import MixedPrecision
-from pyparallel.zero.flat_param import FlatLayout, ShardSpace, alloc_storage, free_storage, storage_allocated
-from pyparallel.zero.reduce import ShardReducer, shares_storage
-from pyparallel.zero.step import DeviceUpdater
-from pyparallel.zero.wrap import UnitSpec, assign_parameters, fold_small_units, select_units
+from pyparallel.zero.flat_param import FlatLayout, alloc_storage, free_storage, storage_allocated
+from pyparallel.zero.wrap import UnitSpec
 
 
 class _Unit:
@@ -85,83 +82,43 @@ class _GatherFn(torch.autograd.Function):
         return None, None, None
 
 
-class Stage3Engine:
-    """Sharded parameters, hooks and prefetching for ZeRO stage 3 (see the module docstring)."""
+class UnitGatherer:
+    """Stage 3's gather / free machinery over a :class:`~pyparallel.zero.engine.ShardEngine` whose flat
+    groups are the units (see the module docstring). The engine owns the shards, the reduction and the
+    optimizer step; this object owns the hooks and the units' lifetimes."""
 
-    stage = 3
-
-    def __init__(self, module: nn.Module, group: comm.Group, policy: MixedPrecision, device: torch.device,
-                 module_dtype: torch.dtype, wrap_policy=None, prefetch: bool = True):
-        self.group = group
-        self.device = device
-        self.sync = True  # accepted for API symmetry; stage 3 reduces every backward
-        self.prefetch = prefetch
-        self.compute_dtype = policy.compute_dtype(module_dtype)
-        self.reduce_dtype = policy.reduce_dtype
-        root_spec, specs = assign_parameters(module, select_units(module, wrap_policy))
-        if wrap_policy is None:
-            root_spec, specs = fold_small_units(root_spec, specs)
-        self.frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-        specs = ([root_spec] if root_spec.params else []) + specs
-        self.units = [_Unit(i, s, FlatLayout(s.names, s.params, group.size)) for i, s in enumerate(specs)]
-        self.root = self.units[0] if root_spec.params else None
-        self.layouts = [u.layout for u in self.units]
-        self.space = ShardSpace(self.layouts, group.rank)
-        self.master_init = self._shard_and_release()
-        self.has_master = self.compute_dtype != torch.float32
-        # What all-gathers read: in fp32 the master itself; under mixed precision on the device nothing at
-        # rest (each gather casts the master's slice), with offload a compute-dtype copy (attach_updater).
-        self.param_shard = None if self.has_master else self.master_init
-        self.grad_shard = self.space.new(self.reduce_dtype, device)
-        for _, p in self.frozen:
-            if p.is_floating_point() and p.dtype != self.compute_dtype:
-                p.data = p.data.to(self.compute_dtype)
-        self.reducer = ShardReducer(group, max_inflight=2)
-        self._clean = [True] * len(self.units)
+    def __init__(self, engine, module: nn.Module, specs: list[UnitSpec], has_root: bool, prefetch: bool = True):
+        self.engine = engine
+        self.group, self.device, self.prefetch = engine.group, engine.device, prefetch
+        self.compute_dtype, self.reduce_dtype = engine.compute_dtype, engine.reduce_dtype
+        self.units = [_Unit(i, s, lay) for i, (s, lay) in enumerate(zip(specs, engine.layouts))]
+        self.root = self.units[0] if has_root else None
+        self._release()
+        # The autograd anchor of each unit, and what model.parameters() shows: its slice of the shard the
+        # gathers read (the fp32 master itself when there is no compute-dtype copy).
+        at_rest = engine._at_rest if engine._at_rest is not None else engine.master
+        for u in self.units:
+            u.shard_param = nn.Parameter(engine.space.slice(at_rest, u.index), requires_grad=True)
         self._pass: list[_Gathered] | None = None
         order = [u.index for u in self.units if u is not self.root]
         self._next_unit = dict(zip(order, order[1:]))
         self._keep = self._tail_to_keep(order)
         self._round_active = False
         self._touched: list[_Gathered] = []
-        self.updater = None
         for u in self.units:
             if u is not self.root:
                 u.spec.module.register_forward_pre_hook(self._hook_pre_forward(u))
                 u.spec.module.register_forward_hook(self._hook_post_forward(u))
 
-    # ----------------------------------------------------------------------------------- setup
-
     @torch.no_grad()
-    def _shard_and_release(self) -> torch.Tensor:
-        """fp32 master shard from the (broadcast) full weights, then unregister the full parameters."""
-        master = self.space.new(torch.float32, self.device)
-        a_rank = self.group.rank
+    def _release(self) -> None:
+        """Unregister the full parameters (the engine has taken its shards of them)."""
         for u in self.units:
-            full = u.layout.flatten(u.layout.params, torch.float32, self.device)
-            a, b = u.layout.shard_range(a_rank)
-            self.space.slice(master, u.index).copy_(full[a:b])
             for p, slots in zip(u.layout.params, u.spec.slots):
                 for mod, attr in slots:
                     del mod._parameters[attr]
                     mod.__dict__[attr] = None  # bound to a gathered view inside the unit's forward
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # drop the full copy
-        return master
-
-    def attach_updater(self, updater) -> None:
-        """Called by setup once the optimizer's home is known. An offloaded master lives on the host, so the
-        device keeps the compute-dtype shard that the gathers read (ZeRO-Offload's fp16 parameters)."""
-        self.updater = updater
-        if self.has_master and not isinstance(updater, DeviceUpdater):
-            self.param_shard = self.master_init.to(self.compute_dtype)
-        at_rest = self.param_shard if self.param_shard is not None else updater.master
-        for u in self.units:  # the autograd anchor of each unit, and what model.parameters() shows
-            u.shard_param = nn.Parameter(self.space.slice(at_rest, u.index), requires_grad=True)
-
-    @property
-    def master_is_param_shard(self) -> bool:
-        """In fp32 on the device the optimizer updates the gathered-from shard itself (no second copy)."""
-        return self.param_shard is not None and isinstance(self.updater, DeviceUpdater)
 
     @property
     def shard_params(self) -> list[nn.Parameter]:
@@ -174,10 +131,7 @@ class Stage3Engine:
         version counter from its worker thread when the gather lands; autograd saved views of this storage
         and compares that counter in backward, so the guard restores the value from before the issue."""
         guard = torch.autograd._unsafe_preserve_version_counter(full)
-        if self.param_shard is not None:
-            shard = self.space.slice(self.param_shard, unit.index)
-        else:  # cast this unit's slice of the fp32 master (kept alive with the handle until it lands)
-            shard = self.space.slice(self.updater.master, unit.index).to(self.compute_dtype)
+        shard = self.engine._rest_slice(unit.index)  # kept alive with the handle until the gather lands
         return comm.all_gather(full, shard, self.group, async_op=True), guard, shard
 
     def _start_gather(self, unit: _Unit) -> _Gathered:
@@ -317,57 +271,32 @@ class Stage3Engine:
         record.wait()
         record.backward_done = True
         free_storage(record.full)
-        u = record.unit
+        u, eng = record.unit, self.engine
         full = grad_full.to(self.reduce_dtype).contiguous()
-        accumulate = not self._clean[u.index]
-        self._clean[u.index] = False
+        accumulate = not eng._clean[u.index]
+        eng._clean[u.index] = False
         # The flat gradient is ours alone (autograd passes it to no one else): reduce it in place.
-        self.reducer.launch(full, self.space.slice(self.grad_shard, u.index), accumulate, scratch=True)
+        eng.reducer.launch(full, eng.space.slice(eng.grad_shard, u.index), accumulate, scratch=True)
 
     def _finish_round(self) -> None:
         self._round_active = False
-        self.reducer.drain()
+        self.engine.reducer.drain()
         for record in self._touched:  # units whose weights came back but whose gradient never did
             record.wait()
             if not record.backward_done:
                 free_storage(record.full)
         self._touched = []
 
-    # ------------------------------------------------------------------------ optimizer interface
-
-    def finish_reductions(self) -> None:
-        self.reducer.drain()
-
-    def step_grad(self) -> torch.Tensor:
-        g = self.grad_shard
-        return g if g.dtype == torch.float32 else g.float()
-
-    def param_out(self) -> torch.Tensor | None:
-        return self.param_shard  # None: nothing to write, the next gathers cast the updated master
-
-    def publish(self, out: torch.Tensor) -> None:
-        return None  # the next forward gathers the new shards
-
-    @torch.no_grad()
-    def refresh_weights(self) -> None:
-        """Make the compute-dtype shards equal to the masters (after loading a checkpoint)."""
-        if self.param_shard is not None and not shares_storage(self.param_shard, self.updater.master):
-            self.param_shard.copy_(self.updater.master)
-
-    @torch.no_grad()
-    def zero_grad(self) -> None:
-        self.grad_shard.zero_()
-        self._clean = [True] * len(self.units)
-
     # ------------------------------------------------------------------------------------ report
 
     def memory_parts(self) -> tuple[dict, dict, int]:
-        """(states, buffers, padding elements); see ``Stage12Engine.memory_parts``."""
-        S, cd, rd = self.space.numel, self.compute_dtype, self.reduce_dtype
+        """(states, buffers, padding elements); see ``ShardEngine.memory_parts``."""
+        eng = self.engine
+        S, cd, rd = eng.space.numel, self.compute_dtype, self.reduce_dtype
         cb = torch.empty((), dtype=cd).element_size()
         rb = torch.empty((), dtype=rd).element_size()
-        frozen = sum(p.numel() * p.element_size() for _, p in self.frozen)
-        at_rest = 0 if self.param_shard is None else S * self.param_shard.element_size()
+        frozen = sum(p.numel() * p.element_size() for _, p in eng.frozen)
+        at_rest = 0 if eng._at_rest is None else S * eng._at_rest.element_size()
         states = {"params": at_rest + frozen, "grads": S * rb}
         others = [u.layout.padded for u in self.units if u is not self.root]
         biggest = max(others, default=0)
@@ -375,12 +304,12 @@ class Stage3Engine:
         kept = sum(self.units[i].layout.padded for i in self._keep)  # alive as the backward starts
         gathered = max(in_flight * biggest, kept + (biggest if self.prefetch else 0))
         buffers = {"gathered_units": gathered * cb,
-                   "reduce_buckets": self.reducer.max_inflight * biggest * rb}
-        if self.param_shard is None:
+                   "reduce_buckets": eng.reducer.max_inflight * biggest * rb}
+        if eng._at_rest is None:
             buffers["gather_cast_shards"] = in_flight * (biggest // self.group.size) * cb
         if self.root is not None:
             buffers["gathered_root"] = self.root.layout.padded * cb
         if rd != torch.float32:
             buffers["step_grad_fp32"] = S * 4
-        pad = sum(lay.padded - lay.numel for lay in self.layouts)
+        pad = sum(lay.padded - lay.numel for lay in eng.layouts)
         return states, buffers, pad
