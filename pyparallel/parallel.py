@@ -101,6 +101,17 @@ def _tensor_parallel(model, mesh, tp_plan, loss_fn):
     return loss_fn
 
 
+def _check_pipeline(model, mesh, schedule: str, m: int, v: int) -> None:
+    """The pipeline's configuration errors (schedule, micro-batches, blocks per chunk), raised here before
+    the model check; the pipeline's constructor then starts with collectives (handshakes, tied weights)."""
+    from pyparallel.pipeline_parallel import partition, schedules
+
+    blocks, _ = partition.to_blocks(model)
+    schedules.check_schedule(schedule, mesh.pp, v)
+    schedules.check_config(schedule, mesh.pp, m, v)
+    partition.plan_chunks(blocks, mesh.pp, v, None)
+
+
 def _local_params(pipe, infos, ties, mesh):
     """[(ParamInfo, parameter)] of this stage; a weight tied across stages counts on its first stage."""
     named = []
@@ -179,12 +190,14 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
     buffer_names = {id(b): n for n, b in model.named_buffers()}
     if scaler is not None and loss_fn is not None:
         loss_fn = _scaled(loss_fn, scaler)
-    pipe = StagePipeline(model, mesh, schedule=schedule, num_microbatches=num_microbatches or mesh.pp,
-                         virtual_stages=virtual_stages, loss_fn=loss_fn, reduce_dp_grads=False,
-                         activation_checkpointing=activation_checkpointing)
+    m = num_microbatches or mesh.pp
+    _check_pipeline(model, mesh, schedule, m, virtual_stages)
     # The first collective, after every configuration error: all ranks must hold the same model (a mismatch
     # would otherwise surface as a size mismatch inside a TP or pipeline collective, or an abort in gloo).
     check_same_signature(signature, mesh.world_group, "parallelize")
+    pipe = StagePipeline(model, mesh, schedule=schedule, num_microbatches=m, virtual_stages=virtual_stages,
+                         loss_fn=loss_fn, reduce_dp_grads=False,
+                         activation_checkpointing=activation_checkpointing)
     ties = pipe.tie_groups()
     named = _local_params(pipe, infos, ties, mesh)
     world = mesh.dp if zero_stage >= 1 else 1
