@@ -12,6 +12,8 @@ from pyparallel.planner.search import SearchOptions
 from pyparallel.planner.specs import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
+    RECOMPUTE_CHOICES,
+    SCHEDULE_CHOICES,
     ModelSpec,
     TrainSpec,
     resolve_cluster,
@@ -37,6 +39,13 @@ def _stages(text: str) -> tuple[int, ...]:
             from None
 
 
+def _cluster_name(text: str) -> str:
+    if text in CLUSTER_PRESETS or text.endswith(".json"):
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(CLUSTER_PRESETS)}, "
+                                     f"or a cluster .json file)")
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (a preset or config.json, explicit sizes, or a parameter count)")
     g.add_argument("--model", help=f"preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json path")
@@ -55,20 +64,35 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: searched)")
     t.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     t.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
-    t.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
-    t.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism with TP")
-    t.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b")
-    t.add_argument("--virtual-stages", type=int, default=2, help="chunks per stage (interleaved)")
-    t.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached (0.5)")
+    t.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="auto",
+                   help="activation recomputation; auto (default) searches none/selective/full and keeps the "
+                        "cheapest that fits")
+    t.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="Megatron sequence parallelism with TP (default: searched)")
+    t.add_argument("--attention", choices=("fused", "unfused"), default=None,
+                   help="fused (flash-style, no s×s scores stored) or unfused attention (default: the "
+                        "model's; GPT-2/3 presets unfused, LLaMA and config.json models fused)")
+    t.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="1f1b",
+                   help="pipeline schedule; zb-h1 and zbv are the zero-bubble schedules of Qi et al.")
+    t.add_argument("--virtual-stages", type=int, default=None,
+                   help="chunks per stage for --schedule interleaved (default: searched over 2..4)")
+    t.add_argument("--efficiency", type=float, default=None,
+                   help="one flat fraction of peak FLOP/s instead of the cluster's compute model")
     t.add_argument("--margin", type=float, default=0.10, help="share of GPU memory kept free (0.10)")
     c = p.add_argument_group("cluster")
-    c.add_argument("--cluster", choices=tuple(CLUSTER_PRESETS), default="a100-80g")
+    c.add_argument("--cluster", type=_cluster_name, default=None,
+                   help=f"hardware preset ({', '.join(CLUSTER_PRESETS)}) or a cluster .json file "
+                        f"(--save-cluster); default a100-80g")
     c.add_argument("--gpus", type=int, help="total GPUs (default: one node)")
     c.add_argument("--gpus-per-node", type=int)
     c.add_argument("--gpu-memory", type=float, help="GB per GPU")
     c.add_argument("--intra-bw", type=float, help="intra-node bus bandwidth per GPU, GB/s")
     c.add_argument("--inter-bw", type=float, help="inter-node bandwidth per GPU, GB/s")
     c.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per GPU for --dtype")
+    c.add_argument("--host-ram", type=float, help="host RAM per node, GB (offload must fit in it)")
+    c.add_argument("--calibrate", metavar="BENCH_JSON",
+                   help="fit the compute model and link bandwidths to a `pyparallel bench --json` file")
+    c.add_argument("--save-cluster", metavar="FILE", help="write the (calibrated) cluster as JSON for --cluster")
     s = p.add_argument_group("search")
     s.add_argument("--dp", type=int, help="fix the data-parallel degree")
     s.add_argument("--tp", type=int, help="fix the tensor-parallel degree")
@@ -76,6 +100,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--zero", type=_stages, default=(0, 1, 2, 3), help="ZeRO stages to try (default 0,1,2,3)")
     s.add_argument("--offload", choices=("auto", "on", "off"), default="auto")
     s.add_argument("--allow-cross-node-tp", action="store_true")
+    s.add_argument("--max-params", action="store_true",
+                   help="report the largest model (this shape family) that fits, per layout family")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write every evaluated candidate as JSON ('-': stdout)")
     o.add_argument("--explain", action="store_true", help="print the formulas with numbers")
@@ -105,7 +131,8 @@ def model_from_args(a: argparse.Namespace) -> ModelSpec:
                      hidden=sizes["hidden"], heads=sizes["heads"],
                      vocab=sizes.get("vocab", 32000 if llama else 50257), kv_heads=sizes.get("kv_heads"),
                      ffn=sizes.get("ffn"), positions=0, tied=not llama, bias=not llama, gated_mlp=llama,
-                     norm="rmsnorm" if llama else "layernorm", default_seq_len=a.seq_len or 2048)
+                     norm="rmsnorm" if llama else "layernorm", default_seq_len=a.seq_len or 2048,
+                     fused_attention=llama)
     if not llama:  # GPT-2 style learns one position embedding per context position
         spec = replace(spec, positions=a.seq_len or 2048)
     return spec.validate()
@@ -113,15 +140,29 @@ def model_from_args(a: argparse.Namespace) -> ModelSpec:
 
 def specs_from_args(a: argparse.Namespace):
     """(model, train, cluster, options) from parsed arguments; raises PlanError on bad input."""
+    if a.seq_len is not None and a.seq_len <= 0:
+        raise PlanError(f"--seq-len must be positive, got {a.seq_len}")
     model = model_from_args(a)
-    cluster = resolve_cluster(a.cluster, gpus_per_node=a.gpus_per_node, memory_gb=a.gpu_memory,
-                              intra_bw=a.intra_bw, inter_bw=a.inter_bw, peak_tflops=a.peak_tflops,
-                              peak_tflops_fp32=a.peak_tflops if a.dtype == "fp32" else None)
+    if a.attention is not None:
+        model = replace(model, fused_attention=a.attention == "fused")
+    given = dict(gpus_per_node=a.gpus_per_node, memory_gb=a.gpu_memory, intra_bw=a.intra_bw,
+                 inter_bw=a.inter_bw, peak_tflops=a.peak_tflops,
+                 peak_tflops_fp32=a.peak_tflops if a.dtype == "fp32" else None, host_ram_gb=a.host_ram)
+    given = {k: v for k, v in given.items() if v is not None}
+    if a.calibrate:
+        from pyparallel.planner.calibrate import calibrate_file
+
+        cal = calibrate_file(a.calibrate, a.cluster)  # the bench's own preset unless --cluster names one
+        print("\n".join(cal.lines()), file=sys.stderr if a.json == "-" else sys.stdout)
+        cluster = replace(cal.cluster, **given).validate()
+    else:
+        cluster = resolve_cluster(a.cluster or "a100-80g", **given)
     gpus = a.gpus if a.gpus is not None else cluster.gpus_per_node
     if gpus < 1:
         raise PlanError(f"--gpus must be >= 1, got {gpus}")
     global_batch = a.global_batch if a.global_batch is not None else gpus * -(-256 // gpus)
-    train = TrainSpec(seq_len=a.seq_len or model.default_seq_len, global_batch=global_batch,
+    train = TrainSpec(seq_len=a.seq_len if a.seq_len is not None else model.default_seq_len,
+                      global_batch=global_batch,
                       micro_batch=a.micro_batch, dtype=a.dtype, optimizer=a.optimizer, recompute=a.recompute,
                       sequence_parallel=a.sequence_parallel, schedule=a.schedule,
                       virtual_stages=a.virtual_stages, efficiency=a.efficiency, margin=a.margin).validate()
@@ -129,6 +170,13 @@ def specs_from_args(a: argparse.Namespace):
         raise PlanError(f"--top must be >= 1, got {a.top}")
     options = SearchOptions(gpus=gpus, allow_cross_node_tp=a.allow_cross_node_tp, zero_stages=a.zero,
                             offload=a.offload, tp=a.tp, pp=a.pp, dp=a.dp)
+    if a.save_cluster:
+        from pyparallel.planner.calibrate import save_cluster
+
+        try:
+            save_cluster(cluster, a.save_cluster)
+        except OSError as exc:
+            raise PlanError(f"cannot write {a.save_cluster}: {exc.strerror}") from None
     return model, train, cluster, options
 
 
@@ -138,7 +186,13 @@ def run_plan(a: argparse.Namespace) -> int:
     from pyparallel.planner.report import render, write_json
 
     try:
-        result = plan(*specs_from_args(a))
+        specs = specs_from_args(a)
+        if a.max_params:
+            from pyparallel.planner.maxparams import max_params_lines
+
+            print("\n".join(max_params_lines(*specs)))
+            return 0
+        result = plan(*specs)
     except PlanError as exc:
         print(f"pyparallel plan: {exc}", file=sys.stderr)
         return 2

@@ -43,13 +43,15 @@ def _activation_formula(pb: Problem, c: Candidate) -> tuple[str, str]:
     tr, m = pb.train, pb.model
     s, b, h, a, t = tr.seq_len, c.micro_batch, m.hidden, m.heads, c.tp
     sub = f"s={s}, b={b}, h={h}, a={a}, t={t}"
-    if tr.recompute == "full":
+    if c.recompute == "full":
         only = " (full recompute: layer input only)"
-        return ("2·s·b·h" + ("/t" if tr.sequence_parallel else "") + only, sub)
-    attn = "" if tr.recompute == "selective" else " + 5·a·s/h"
-    if tr.sequence_parallel or t == 1:
-        return (f"s·b·h{'/t' if t > 1 else ''}·(34{attn})", sub)
-    return (f"s·b·h·(10 + 24/t{attn.replace('/h', '/(h·t)')})", sub)
+        return ("2·s·b·h" + ("/t" if c.sequence_parallel else "") + only, sub)
+    no_scores = c.recompute == "selective" or m.fused_attention
+    attn = "" if no_scores else " + 5·a·s/h"
+    why = " (fused attention: no s×s scores)" if m.fused_attention and c.recompute == "none" else ""
+    if c.sequence_parallel or t == 1:
+        return (f"s·b·h{'/t' if t > 1 else ''}·(34{attn}){why}", sub)
+    return (f"s·b·h·(10 + 24/t{attn.replace('/h', '/(h·t)')}){why}", sub)
 
 
 def _activations(pb: Problem, c: Candidate, worst: dict) -> list[str]:
@@ -73,14 +75,12 @@ def _comm(pb: Problem, c: Candidate) -> list[str]:
     for ph in d["phases"]:
         bw = d["bandwidth"][ph.axis]
         secs = ph.bytes / (bw * 1e9)
-        window = d["windows"][ph.overlap]
-        hide = f"hides behind {ph.overlap} ({window * 1e3:.0f} ms per repeat)" if ph.overlap != "none" \
-            else "exposed"
+        hide = f"overlaps {ph.overlap}" if ph.overlap != "none" else "on the critical path"
         out.append(f"  {ph.axis}: {ph.name}: {_gb(ph.bytes)} × {ph.repeats} at {bw:g} GB/s = "
                    f"{secs * ph.repeats * 1e3:.1f} ms, {hide}")
     ex = c.exposed_s
-    out.append(f"  exposed: dp {ex['dp'] * 1e3:.1f} ms, tp {ex['tp'] * 1e3:.1f} ms, "
-               f"pp {ex['pp'] * 1e3:.1f} ms"
+    out.append(f"  exposed (steptime.py: overlapped compute c beside a collective x costs max(c + κx, x)): "
+               f"dp {ex['dp'] * 1e3:.1f} ms, tp {ex['tp'] * 1e3:.1f} ms, pp {ex['pp'] * 1e3:.1f} ms"
                + (f", offload {ex['offload']:.2f} s (PCIe {d['offload']['pcie']:.2f} s + CPU optimizer "
                   f"{d['offload']['cpu_step']:.2f} s)" if c.offload else ""))
     return out
@@ -92,20 +92,23 @@ def _time(pb: Problem, c: Candidate) -> list[str]:
     flops = (f"(6Ψ + 12·L·h·s)·tokens = (6 × {m.num_params():.4g} + 12 × {m.layers} × {m.hidden} × "
              f"{tr.seq_len}) × {tr.tokens:,}" if m.has_shape else f"6Ψ·tokens = 6 × {m.num_params():.4g} × "
              f"{tr.tokens:,}")
-    rec = {"full": " × 4/3 (full recompute)",
-           "selective": " + attention-core recompute"}.get(tr.recompute, "")
-    if rec:
-        rec += f" → {d['hw_flops']:.4g}"
-    bubble_f = "(p−1)/(m+p−1)" + ("/v" if tr.schedule == "interleaved" else "")
-    exposed = sum(c.exposed_s.values())
+    rec = {"full": " + the layers' forward again (full recompute)",
+           "selective": " + attention-core recompute"}.get(c.recompute, "")
+    cm = d["compute_model"]
+    curve = (f"GEMMs at {cm.eff:g} × k/(k + {cm.half:g}) of peak (k: reduction dimension), roofline with "
+             f"{cm.hbm / 1e9:g} GB/s HBM, elementwise 5 passes over the stored activations"
+             if cm.half > 0 or cm.hbm > 0 else f"flat {cm.eff:g} of peak")
+    bubble_f = {"interleaved": f"(p−1)·T·⌈n/v⌉/n, v = {c.virtual_stages}", "zb-h1": "(p−1)(T_F + T_B − T_W)",
+                "zbv": "(p−1)(T_F + T_B − 2T_W)/2"}.get(c.schedule, "(p−1)·T, (p−1)/(m+p−1) of the pipeline time")
     return [
-        f"Compute (Narayanan et al. 2021): {flops} = {d['model_flops']:.4g} FLOPs{rec}; "
-        f"/ ({d['world']} GPUs × {d['peak'] / 1e12:g} TFLOP/s × {tr.efficiency:g})"
-        + (f" × stage imbalance {d['imbalance']:.3g}" if d["imbalance"] != 1 else "")
-        + f" = {c.compute_s:.4g} s",
-        f"Bubble: {bubble_f} = ({p}−1)/({mb_n}+{p}−1) = {c.bubble_fraction:.4g}",
-        f"Step time: compute/(1−bubble) + exposed comm = {c.compute_s:.4g}/(1−{c.bubble_fraction:.4g}) + "
-        f"{exposed:.4g} = {c.step_time_s:.4g} s",
+        f"FLOPs (Narayanan et al. 2021): {flops} = {d['model_flops']:.4g}{rec} → {d['hw_flops']:.4g} executed",
+        f"Compute (compute.py): {curve}; on the slowest stage {c.compute_s:.4g} s per step",
+        f"Pipeline: m = {mb_n} micro-batches on the slowest stage {d['busy_s']:.4g} s (compute + exposed TP, "
+        f"p2p, ZeRO-3) + bubble {bubble_f} = {d['bubble_s']:.4g} s"
+        + (f" ({p} stages, {c.bubble_fraction:.1%} of the pipeline time)" if p > 1 else ""),
+        f"Step time: {d['busy_s']:.4g} + {d['bubble_s']:.4g} + dp {c.exposed_s['dp'] * 1e3:.1f} ms (ZeRO-3's "
+        f"included above) + optimizer {c.exposed_s['optimizer'] * 1e3:.1f} ms + offload "
+        f"{c.exposed_s['offload']:.3g} s = {c.step_time_s:.4g} s",
         f"MFU: model FLOPs / (step × GPUs × peak) = {d['model_flops']:.4g} / ({c.step_time_s:.4g} × "
         f"{d['world']} × {d['peak']:.4g}) = {c.mfu:.1%}",
     ]

@@ -115,6 +115,7 @@ def in_flight_microbatches(stage: int, pp: int, num_microbatches: int, schedule:
     """
     if pp <= 1:
         return 1.0  # no pipeline: gradient accumulation runs micro-batches one after another
+    # ZB-H1 and ZB-V keep 1F1B's peak (Qi et al. 2023, 2024): their W passes run inside 1F1B's memory.
     if schedule == "gpipe":
         return float(num_microbatches)
     held = float(min(pp - stage, num_microbatches))
@@ -151,8 +152,9 @@ def stage_activation_bytes(model, seq_len: int, micro_batch: int, tp: int, pp: i
 def buffer_bytes(params_rank: float, layer_params_rank: float, zero_stage: int, dp: int, dtype: str,
                  bucket_mb: float = 25.0, p2p_bytes: float = 0.0, pp: int = 1) -> float:
     """Communication buffers: two gradient buckets in flight (DDP all-reduce or ZeRO reduce-scatter;
-    25 MiB as in PyTorch DDP), ZeRO-3's gathered current and prefetched layer, and a send plus a receive
-    buffer per pipeline boundary."""
+    25 MiB as in PyTorch DDP), ZeRO-3's gathered current and prefetched unit (``layer_params_rank``: the
+    largest unit, in every mode, offload included: 2 × 16-bit = the 4 bytes per parameter of the largest
+    layer that DeepSpeed's estimator charges), and a send plus a receive buffer per pipeline boundary."""
     w = DTYPE_BYTES[dtype]
     total = 0.0
     if dp > 1:
@@ -162,3 +164,17 @@ def buffer_bytes(params_rank: float, layer_params_rank: float, zero_stage: int, 
     if pp > 1:
         total += 2 * p2p_bytes
     return total
+
+
+def host_bytes_per_rank(params_rank: float, zero_stage: int, dp: int, dtype: str = "bf16",
+                        optimizer: str = "adamw", offload: bool = False) -> float:
+    """Host (CPU) memory one rank needs for ZeRO-Offload: the fp32 master and optimizer state
+    (``model_state_bytes``' ``cpu`` part) plus the two staging buffers of pyparallel.zero.offload, a
+    gradient landing buffer and the updated 16-bit weights, each of the compute dtype. For mixed-precision
+    Adam that is 16 bytes per parameter of the rank's shard: 16Ψ/N per rank, 16Ψ/nodes per node, the
+    figure of DeepSpeed's estimator with zero_init and no buffer factor."""
+    if not offload:
+        return 0.0
+    states = model_state_bytes(params_rank, zero_stage, dp, dtype, optimizer, offload=True)
+    shard = params_rank / dp if zero_stage >= 1 else params_rank
+    return states["cpu"] + 2 * DTYPE_BYTES[dtype] * shard

@@ -96,9 +96,9 @@ def no_fit_message(pb: Problem, cands: list[Candidate]) -> str:
     hints = ["add GPUs (--gpus)"]
     if pb.options.offload == "off":
         hints.append("enable offload (--offload auto)")
-    if pb.train.recompute != "full" and pb.model.has_shape:
-        hints.append("recompute activations (--recompute selective or full)")
-    if not pb.train.sequence_parallel and pb.model.has_shape and small.tp > 1:
+    if pb.train.recompute not in ("full", "auto") and pb.model.has_shape:
+        hints.append("recompute activations (--recompute auto, selective or full)")
+    if pb.train.sequence_parallel is False and pb.model.has_shape and small.tp > 1:
         hints.append("split activations with --sequence-parallel")
     if m["activations"] > states:
         hints.append("shorten --seq-len or --micro-batch")

@@ -6,10 +6,12 @@ pipeline bubble plus whatever communication cannot hide behind compute (see timi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pyparallel.planner import memory as mem
-from pyparallel.planner import timing, traffic
+from pyparallel.planner import steptime, timing, traffic
+from pyparallel.planner.compute import ComputeModel
 from pyparallel.planner.specs import ClusterSpec, ModelSpec, TrainSpec
 
 
@@ -56,6 +58,11 @@ class Candidate:
     compute_s: float
     step_time_s: float
     mfu: float
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    schedule: str = "none"
+    virtual_stages: int = 1
+    host_bytes_per_node: float = 0.0
     detail: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -69,8 +76,12 @@ class Candidate:
     def label(self) -> str:
         zero = "DDP" if self.zero_stage == 0 else f"ZeRO-{self.zero_stage}"
         off = " + offload" if self.offload else ""
-        return (f"DP {self.dp} × TP {self.tp} × PP {self.pp}, {zero}{off}, "
-                f"micro-batch {self.micro_batch} × {self.num_microbatches}")
+        sp = " + SP" if self.sequence_parallel else ""
+        sched = ""
+        if self.pp > 1:
+            sched = f", {self.schedule}" + (f" v={self.virtual_stages}" if self.schedule == "interleaved" else "")
+        return (f"DP {self.dp} × TP {self.tp}{sp} × PP {self.pp}, {zero}{off}, "
+                f"micro-batch {self.micro_batch} × {self.num_microbatches}, recompute {self.recompute}{sched}")
 
     def to_dict(self) -> dict:
         memory = {k: int(round(v)) for k, v in self.memory_bytes.items() if k != "total"}
@@ -86,6 +97,9 @@ class Candidate:
             "exposed_comm_s": {k: round(v, 6) for k, v in self.exposed_s.items()},
             "bubble_fraction": round(self.bubble_fraction, 6), "compute_s": round(self.compute_s, 6),
             "step_time_s": round(self.step_time_s, 6), "mfu": round(self.mfu, 6),
+            "recompute": self.recompute, "sequence_parallel": self.sequence_parallel,
+            "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+            "host_bytes_per_node": int(round(self.host_bytes_per_node)),
         }
 
 
@@ -109,76 +123,164 @@ def stage_params(model: ModelSpec, pp: int, stage: int) -> int:
     return n
 
 
-def _stage_memory(pb: Problem, dp, tp, pp, zero, offload, mb, m, stage) -> dict:
+def _stage_memory(pb: Problem, lay, stage) -> dict:
     model, tr = pb.model, pb.train
+    dp, tp, pp, mb, m = lay.dp, lay.tp, lay.pp, lay.micro_batch, lay.num_microbatches
     layers = stage_layers(model.layers, pp, stage) if model.has_shape else 0
     params_rank = stage_params(model, pp, stage) / tp
-    states = mem.model_state_bytes(params_rank, zero, dp, tr.dtype, tr.optimizer, offload)
-    act = mem.stage_activation_bytes(model, tr.seq_len, mb, tp, pp, stage, layers, m, tr.schedule,
-                                     tr.virtual_stages, tr.sequence_parallel, tr.recompute, tr.dtype)
-    p2p = mb * tr.seq_len * model.hidden * mem.DTYPE_BYTES[tr.dtype] / (tp if tr.sequence_parallel else 1)
-    layer_rank = model.layer_params() / tp if model.has_shape else 0.0
-    buffers = mem.buffer_bytes(params_rank, layer_rank, zero, dp, tr.dtype, tr.bucket_mb, p2p, pp)
+    states = mem.model_state_bytes(params_rank, lay.zero, dp, tr.dtype, tr.optimizer, lay.offload)
+    kept = effective_recompute(model, lay.recompute)
+    act = mem.stage_activation_bytes(model, tr.seq_len, mb, tp, pp, stage, layers, m, lay.schedule,
+                                     lay.virtual_stages, lay.sequence_parallel, kept, tr.dtype)
+    p2p = mb * tr.seq_len * model.hidden * mem.DTYPE_BYTES[tr.dtype] / (tp if lay.sequence_parallel else 1)
+    unit = unit_params(model) / tp
+    buffers = mem.buffer_bytes(params_rank, unit, lay.zero, dp, tr.dtype, tr.bucket_mb, p2p, pp)
     memory = {"params": states["params"], "grads": states["grads"],
               "optimizer": states["optimizer"] + states["master"], "activations": act["total"],
               "buffers": buffers}
     memory["total"] = sum(memory.values())
+    host = mem.host_bytes_per_rank(params_rank, lay.zero, dp, tr.dtype, tr.optimizer, lay.offload)
     return {"stage": stage, "layers": layers, "params_rank": params_rank, "memory": memory,
-            "cpu": states["cpu"], "act": act, "layer_rank": layer_rank}
+            "cpu": states["cpu"], "host": host, "act": act, "layer_rank": unit}
 
 
-def evaluate(pb: Problem, dp: int, tp: int, pp: int, zero: int, offload: bool, mb: int, m: int) -> Candidate:
-    """Memory, traffic and step time of one configuration."""
+def effective_recompute(model: ModelSpec, recompute: str) -> str:
+    """Fused attention stores no s×s scores even without recomputation: Korthikanti's selective case."""
+    if recompute == "none" and model.fused_attention:
+        return "selective"
+    return recompute
+
+
+def unit_params(model: ModelSpec) -> float:
+    """Parameters of ZeRO-3's largest gathered unit: a layer or the embedding, whichever is larger. With
+    only a parameter count, the layer of a transformer of typical aspect (Ψ ≈ 12·L·h² with L ≈ h/128, as
+    GPT-3's 175B has): h = (128·Ψ/12)^(1/3), 12·h² parameters per layer."""
+    if model.has_shape:
+        return float(max(model.layer_params(), model.embedding_params()))
+    h = (128 * model.num_params() / 12) ** (1 / 3)
+    return 12 * h * h
+
+
+def _bandwidths(cl: ClusterSpec, dp: int, tp: int, pp: int) -> steptime.Bandwidths:
+    bw = {axis: cl.inter_bw if traffic.spans_nodes(axis, dp, tp, pp, cl.gpus_per_node) else cl.intra_bw
+          for axis in ("dp", "tp", "pp")}
+    return steptime.Bandwidths(dp=bw["dp"], tp=bw["tp"], pp=bw["pp"], intra=cl.intra_bw)
+
+
+def _params_only_seconds(cm, pb: Problem, lay) -> float:
+    """Compute of a model known by its parameter count: 6Ψ FLOPs per token at the curve's ceiling."""
+    tokens = pb.train.tokens / lay.dp
+    return cm.gemm(6.0 * pb.model.num_params() * tokens / (lay.tp * lay.pp))
+
+
+def evaluate(pb: Problem, dp: int, tp: int, pp: int, zero: int, offload: bool, mb: int, m: int,
+             recompute: str | None = None, sequence_parallel: bool | None = None, schedule: str | None = None,
+             virtual_stages: int | None = None) -> Candidate:
+    """Memory, traffic and step time of one configuration (choices left None come from the TrainSpec;
+    its "auto" recompute means the cheapest that fits, an unset sequence parallelism means off)."""
     model, tr, cl = pb.model, pb.train, pb.cluster
+    rc = recompute or tr.recompute
+    if rc == "auto":
+        return cheapest_fit([evaluate(pb, dp, tp, pp, zero, offload, mb, m, r, sequence_parallel, schedule,
+                                      virtual_stages) for r in recompute_options(model)])
+    sp = bool(tr.sequence_parallel if sequence_parallel is None else sequence_parallel) and tp > 1
+    sched = schedule or tr.schedule
+    v = virtual_stages or tr.virtual_stages or 2
+    v = v if sched == "interleaved" else 1
+    lay = steptime.Layout(dp, tp, pp, zero, offload, mb, m, rc, sp, sched, v)
     world = dp * tp * pp
     stages = {0, pp - 1}
     if model.has_shape and model.layers % pp:
         stages.add(pp - model.layers % pp)  # the first stage given an extra layer
-    per_stage = [_stage_memory(pb, dp, tp, pp, zero, offload, mb, m, s) for s in sorted(stages)]
+    per_stage = [_stage_memory(pb, lay, st) for st in sorted(stages)]
     worst = max(per_stage, key=lambda d: d["memory"]["total"])
     params_rank = max(d["params_rank"] for d in per_stage)
     max_layers = max(d["layers"] for d in per_stage)
+    bw = _bandwidths(cl, dp, tp, pp)
+    cm = ComputeModel.for_cluster(cl, tr.dtype, tr.efficiency)
 
-    phases = traffic.dp_phases(params_rank, zero, dp, tr.dtype, m, tr.bucket_mb * 2**20, worst["layer_rank"])
     if model.has_shape:
-        phases += traffic.tp_phase(max_layers, tr.seq_len, mb, model.hidden, tp, m, tr.dtype, tr.recompute)
-        v = tr.virtual_stages if tr.schedule == "interleaved" else 1
-        phases += traffic.pp_phase(tr.seq_len, mb, model.hidden, pp, m, tp, tr.sequence_parallel, tr.dtype, v)
-    bandwidth = {axis: cl.inter_bw if traffic.spans_nodes(axis, dp, tp, pp, cl.gpus_per_node) else cl.intra_bw
-                 for axis in ("dp", "tp", "pp")}
-
-    peak = cl.peak_flops(tr.dtype)
-    hw_flops = timing.hardware_flops_per_step(model, tr.seq_len, tr.tokens, tr.recompute)
-    imbalance = max_layers * pp / model.layers if model.has_shape else 1.0
-    compute_s = hw_flops / (world * peak * tr.efficiency) * imbalance
-    bubble = timing.bubble_fraction(pp, m, tr.schedule, tr.virtual_stages)
-    per_mb = compute_s / m
-    fwd_share = 0.25 if tr.recompute == "full" else 1 / 3  # backward also reruns the forward under full
-    windows = {"forward": per_mb * fwd_share, "backward": per_mb * (1 - fwd_share), "none": 0.0}
-    exposed = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "offload": 0.0}
-    left = dict(windows)  # phases hiding behind the same compute share it (ZeRO-3's backward gather + RS)
-    for ph in phases:
-        bw = bandwidth[ph.axis]
-        e = timing.exposed_seconds(ph, bw, left[ph.overlap])
-        exposed[ph.axis] += e
-        left[ph.overlap] = max(0.0, left[ph.overlap] - (ph.bytes / (bw * 1e9) - e / ph.repeats))
+        embed = model.embedding_params() / tp
+        times = [steptime.stage_times(cm, lay, model, tr.seq_len, tr.dtype, bw, d["layers"], d["stage"] == 0,
+                                      d["stage"] == pp - 1, d["layer_rank"], embed) for d in per_stage]
+        slowest = max(times, key=lambda t: t.per_microbatch)
+        busy, bubble_s = steptime.pipeline_seconds(lay, slowest, max_layers)
+        compute_s = m * slowest.compute
+        exposed_tp, exposed_pp, exposed_z3 = m * slowest.tp, m * slowest.pp, m * slowest.zero3
+        backward_s = slowest.b + slowest.w
+    else:
+        compute_s = busy = _params_only_seconds(cm, pb, lay)
+        bubble_s = exposed_tp = exposed_pp = 0.0
+        exposed_z3 = 0.0
+        backward_s = compute_s * 2 / 3 / m
+        if zero == 3 and dp > 1:  # no shape: the whole model as units, 3 (4 under full recompute) gathers
+            gather = traffic.ring_factor("all_gather", dp) * params_rank * mem.DTYPE_BYTES[tr.dtype] / (bw.dp * 1e9)
+            gathers = 4 if rc == "full" else 3
+            exposed_z3 = m * (steptime.overlapped(compute_s / m / 3, gather) +
+                              steptime.overlapped(compute_s / m * 2 / 3, (gathers - 1) * gather))
+            busy += exposed_z3
+    dp_s = steptime.dp_seconds(lay, params_rank, bw, tr.dtype, tr.bucket_mb * 2**20, backward_s)
+    shard = params_rank / dp if zero >= 1 else params_rank
     off = None
+    exposed = {"dp": dp_s["grad"] + dp_s["gather"] + exposed_z3, "tp": exposed_tp, "pp": exposed_pp,
+               "offload": 0.0, "optimizer": 0.0}
     if offload:
-        off = timing.offload_seconds(params_rank / dp, mem.DTYPE_BYTES[tr.dtype], cl.pcie_bw, cl.host_bw,
+        off = timing.offload_seconds(shard, mem.DTYPE_BYTES[tr.dtype], cl.pcie_bw, cl.host_bw,
                                      min(cl.gpus_per_node, world))
         exposed["offload"] = off["total"]
-    step = compute_s / (1 - bubble) + sum(exposed.values())
+    else:
+        exposed["optimizer"] = compute_optimizer_seconds(cm, shard, tr.dtype)
+    step = busy + bubble_s + dp_s["grad"] + dp_s["gather"] + exposed["offload"] + exposed["optimizer"]
+    bubble = bubble_s / (busy + bubble_s) if busy + bubble_s > 0 else 0.0
+
+    phases = traffic.dp_phases(params_rank, zero, dp, tr.dtype, m, tr.bucket_mb * 2**20, worst["layer_rank"],
+                               recompute=rc)
+    if model.has_shape:
+        phases += traffic.tp_phase(max_layers, tr.seq_len, mb, model.hidden, tp, m, tr.dtype, rc)
+        phases += traffic.pp_phase(tr.seq_len, mb, model.hidden, pp, m, tp, sp, tr.dtype, v)
+    peak = cl.peak_flops(tr.dtype)
+    hw_flops = timing.hardware_flops_per_step(model, tr.seq_len, tr.tokens, effective_recompute(model, rc)
+                                              if model.fused_attention else rc)
     model_flops = timing.model_flops_per_step(model, tr.seq_len, tr.tokens)
+    ranks_per_node = min(cl.gpus_per_node, world)
     return Candidate(
         dp=dp, tp=tp, pp=pp, zero_stage=zero, offload=offload, micro_batch=mb, num_microbatches=m,
         memory_bytes=worst["memory"], cpu_bytes=worst["cpu"],
-        fits=worst["memory"]["total"] <= pb.usable_bytes,
+        fits=worst["memory"]["total"] <= pb.usable_bytes and _host_fits(pb, worst["host"] * ranks_per_node),
         comm_bytes=traffic.summarize(phases), exposed_s=exposed, bubble_fraction=bubble, compute_s=compute_s,
         step_time_s=step, mfu=timing.mfu(model_flops, step, world, peak),
-        detail={"worst": worst, "phases": phases, "bandwidth": bandwidth, "hw_flops": hw_flops,
-                "model_flops": model_flops, "peak": peak, "imbalance": imbalance, "windows": windows,
-                "offload": off, "world": world},
+        recompute=rc, sequence_parallel=sp, schedule=sched if pp > 1 else "none", virtual_stages=v,
+        host_bytes_per_node=worst["host"] * ranks_per_node,
+        detail={"worst": worst, "phases": phases, "bandwidth": {"dp": bw.dp, "tp": bw.tp, "pp": bw.pp},
+                "hw_flops": hw_flops, "model_flops": model_flops, "peak": peak, "bubble_s": bubble_s,
+                "busy_s": busy, "offload": off, "world": world, "compute_model": cm,
+                "attention": "fused" if model.fused_attention else "unfused"},
     )
+
+
+def compute_optimizer_seconds(cm, shard: float, dtype: str) -> float:
+    from pyparallel.planner.compute import optimizer_seconds
+
+    return optimizer_seconds(cm, shard, dtype)
+
+
+def _host_fits(pb: Problem, host_bytes_per_node: float) -> bool:
+    ram = pb.cluster.host_ram_gb * 1e9
+    return ram <= 0 or host_bytes_per_node <= ram * (1 - pb.train.margin)
+
+
+def recompute_options(model: ModelSpec) -> tuple[str, ...]:
+    """Cheapest first. With fused attention "none" and "selective" keep the same activations (the kernel
+    recomputes the scores itself), so only selective and full remain."""
+    return ("selective", "full") if model.fused_attention else ("none", "selective", "full")
+
+
+def cheapest_fit(cands: list[Candidate]) -> Candidate:
+    """The first candidate (cheapest recomputation) that fits, else the one needing the least memory."""
+    for c in cands:
+        if c.fits:
+            return c
+    return min(cands, key=lambda c: c.memory_bytes["total"])
 
 
 def divisors(n: int) -> list[int]:
@@ -207,8 +309,6 @@ def _pp_problem(pb: Problem, pp: int, dp: int) -> str | None:
         return "pipeline parallelism needs the layer shapes (give --model or --layers/--hidden/--heads)"
     if model.has_shape and pp > model.layers:
         return f"pp {pp} exceeds the {model.layers} layers"
-    if pp > 1 and tr.schedule == "interleaved" and model.layers % (pp * tr.virtual_stages):
-        return f"interleaved schedule needs pp × v = {pp * tr.virtual_stages} to divide {model.layers} layers"
     if tr.global_batch % dp:
         return f"global batch {tr.global_batch} is not divisible by dp {dp}"
     return None
@@ -241,11 +341,10 @@ def _micro_batch_problem(pb: Problem, dp: int, pp: int) -> str:
 
 
 def _modes(pb: Problem, dp: int, pp: int) -> list[tuple[int, bool]]:
-    """(ZeRO stage, offload) pairs worth evaluating for a layout."""
+    """(ZeRO stage, offload) pairs worth evaluating for a layout; every stage combines with TP and PP
+    (ZeRO-2 then reduce-scatters, ZeRO-3 re-gathers, once per micro-batch: the time model charges it)."""
     out = []
     for z in pb.options.zero_stages:
-        if pp > 1 and z >= 2:
-            continue  # reported once per layout by enumerate_candidates
         offloads = {"auto": (False, True), "off": (False,), "on": (True,)}[pb.options.offload]
         out += [(z, o) for o in offloads if not (o and z == 0)]
     if dp > 1:
@@ -255,6 +354,39 @@ def _modes(pb: Problem, dp: int, pp: int) -> list[tuple[int, bool]]:
     plain = [(0, False)] if any(not o for _, o in out) else []
     offloaded = sorted((z for z, o in out if o), key=lambda z: (z != 2, z))[:1]
     return plain + [(z, True) for z in offloaded]
+
+
+def _variants(pb: Problem, tp: int, pp: int) -> list[tuple[bool, int]]:
+    """(sequence parallel, virtual stages) pairs: SP searched when unset and tp > 1; the interleaved
+    schedule's v searched over 2..4 when unset (at most the layers per stage; uneven chunks allowed)."""
+    tr = pb.train
+    sps = [False, True] if tr.sequence_parallel is None and tp > 1 else [bool(tr.sequence_parallel) and tp > 1]
+    if pp > 1 and tr.schedule == "interleaved":
+        per_stage = pb.model.layers // pp
+        vs = [tr.virtual_stages] if tr.virtual_stages else [v for v in (2, 3, 4) if v <= per_stage]
+        vs = [v for v in vs if v <= per_stage] or [1]
+    else:
+        vs = [1]
+    return [(sp, v) for sp in sps for v in vs]
+
+
+def _layout_candidates(pb: Problem, dp: int, tp: int, pp: int, mbs) -> list[Candidate]:
+    """Every mode, micro-batch and variant of one layout; recompute resolved to the cheapest that fits.
+    Offload (always slower) is evaluated only where the same setting without it does not fit."""
+    out = []
+    modes = _modes(pb, dp, pp)
+    plain_fits: dict = {}
+    for zero, offload in sorted(modes, key=lambda zo: zo[1]):
+        for b, m in mbs:
+            for sp, v in _variants(pb, tp, pp):
+                key = (zero, b, sp, v)
+                if offload and pb.options.offload == "auto" and plain_fits.get(key, False):
+                    continue
+                c = evaluate(pb, dp, tp, pp, zero, offload, b, m, sequence_parallel=sp, virtual_stages=v)
+                if not offload:
+                    plain_fits[key] = c.fits
+                out.append(c)
+    return out
 
 
 def enumerate_candidates(pb: Problem) -> tuple[list[Candidate], list[dict]]:
@@ -280,18 +412,17 @@ def enumerate_candidates(pb: Problem) -> tuple[list[Candidate], list[dict]]:
             if why:
                 rejected.append({"dp": dp, "tp": tp, "pp": pp, "reason": why})
                 continue
-            if pp > 1 and any(z >= 2 for z in opts.zero_stages):
-                rejected.append({"dp": dp, "tp": tp, "pp": pp, "reason": "ZeRO-2/3 skipped with pipeline "
-                                 "parallelism: they would re-reduce or re-gather for every micro-batch "
-                                 "(DeepSpeed rejects the pairing)"})
-            for zero, offload in _modes(pb, dp, pp):
-                cands += [evaluate(pb, dp, tp, pp, zero, offload, b, m) for b, m in mbs]
+            cands += _layout_candidates(pb, dp, tp, pp, mbs)
     return cands, rejected
 
 
+TIE = 0.01  # step times within 1% are a tie: well inside what the model can resolve
+
+
 def rank_key(c: Candidate) -> tuple:
-    # Step times equal to 3 significant digits count as a tie; then prefer less traffic, a lower ZeRO
-    # stage, no offload, and bigger micro-batches (real kernels run faster on them; the model's fixed
-    # efficiency cannot see it).
-    return (float(f"{c.step_time_s:.3g}"), round(c.comm_bytes_per_step), c.zero_stage, c.offload,
+    # Step times within TIE of each other count as a tie (log-spaced buckets); then prefer less traffic, a
+    # lower ZeRO stage, no offload, less recomputation, and bigger micro-batches.
+    bucket = round(math.log(max(c.step_time_s, 1e-12)) / math.log1p(TIE))
+    return (bucket, round(c.comm_bytes_per_step), c.zero_stage, c.offload,
+            ("none", "selective", "full").index(c.recompute) if c.recompute in ("none", "selective", "full") else 0,
             -c.micro_batch, c.memory_bytes["total"])

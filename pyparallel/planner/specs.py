@@ -39,6 +39,9 @@ class ModelSpec:
     norm: str = "layernorm"
     default_seq_len: int = 2048
     total_params: int | None = None  # set only by from_params
+    # Fused (flash-style) attention never stores the s×s scores, softmax or its dropout mask: it recomputes
+    # them in backward, which is Korthikanti et al.'s "selective" recompute built into the kernel.
+    fused_attention: bool = True
 
     @classmethod
     def from_params(cls, num_params: int, name: str | None = None) -> ModelSpec:
@@ -107,7 +110,9 @@ class ModelSpec:
 
 
 def _gpt(name, layers, hidden, heads, positions=1024, seq=1024):
-    return ModelSpec(name, layers, hidden, heads, vocab=50257, positions=positions, default_seq_len=seq)
+    # The GPT-2 / GPT-3 papers' (and Megatron-LM 2021's) attention materializes the scores: unfused.
+    return ModelSpec(name, layers, hidden, heads, vocab=50257, positions=positions, default_seq_len=seq,
+                     fused_attention=False)
 
 
 def _llama(name, layers, hidden, heads, ffn, kv_heads=None, seq=2048):
@@ -187,13 +192,21 @@ def resolve_model(name_or_path: str) -> ModelSpec:
                     f"(or pass a config.json path, --layers/--hidden/--heads, or --params)")
 
 
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
+# zb-h1 and zbv are the zero-bubble schedules of Qi et al. 2023/2024 (backward split into B and W).
+SCHEDULE_CHOICES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens.
 
-    ``micro_batch`` None lets the search choose it. ``efficiency`` is the fraction of peak FLOP/s the
-    matmuls reach (an assumption, not a measurement); ``margin`` is the share of GPU memory kept free for
-    the caching allocator's fragmentation, the CUDA context and NCCL.
+    ``micro_batch`` None lets the search choose it. ``recompute`` "auto" and ``sequence_parallel`` None
+    let the search choose them too (the fastest that fits wins, which is the cheapest recomputation).
+    ``efficiency`` None uses the cluster's compute model (GEMM efficiency curve plus memory-bound
+    elementwise work, see compute.py); a number replaces that model by one flat fraction of peak FLOP/s.
+    ``virtual_stages`` None searches the interleaved schedule's chunks per stage. ``margin`` is the share
+    of GPU memory kept free for the caching allocator's fragmentation, the CUDA context and NCCL.
     """
 
     seq_len: int = 2048
@@ -201,11 +214,11 @@ class TrainSpec:
     micro_batch: int | None = None
     dtype: str = "bf16"
     optimizer: str = "adam"
-    recompute: str = "none"
-    sequence_parallel: bool = False
+    recompute: str = "auto"
+    sequence_parallel: bool | None = None
     schedule: str = "1f1b"
-    virtual_stages: int = 2
-    efficiency: float = 0.5
+    virtual_stages: int | None = 2
+    efficiency: float | None = None
     margin: float = 0.10
     bucket_mb: float = 25.0
 
@@ -218,12 +231,14 @@ class TrainSpec:
             (self.dtype in ("bf16", "fp16", "fp32"), f"--dtype must be bf16, fp16 or fp32, got {self.dtype}"),
             (self.optimizer in ("adam", "adamw", "sgd"),
              f"--optimizer must be adam, adamw or sgd, got {self.optimizer}"),
-            (self.recompute in ("none", "selective", "full"),
-             f"--recompute must be none, selective or full, got {self.recompute}"),
-            (self.schedule in ("1f1b", "gpipe", "interleaved"),
-             f"--schedule must be 1f1b, gpipe or interleaved, got {self.schedule}"),
-            (self.virtual_stages >= 1, f"--virtual-stages must be >= 1, got {self.virtual_stages}"),
-            (0 < self.efficiency <= 1, f"--efficiency must be in (0, 1], got {self.efficiency}"),
+            (self.recompute in RECOMPUTE_CHOICES,
+             f"--recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {self.recompute}"),
+            (self.schedule in SCHEDULE_CHOICES,
+             f"--schedule must be one of {', '.join(SCHEDULE_CHOICES)}, got {self.schedule}"),
+            (self.virtual_stages is None or self.virtual_stages >= 1,
+             f"--virtual-stages must be >= 1, got {self.virtual_stages}"),
+            (self.efficiency is None or 0 < self.efficiency <= 1,
+             f"--efficiency must be in (0, 1], got {self.efficiency}"),
             (0 <= self.margin < 1, f"--margin must be in [0, 1), got {self.margin}"),
         ]
         for ok, msg in checks:
@@ -250,6 +265,13 @@ class ClusterSpec:
     inter_bw: float  # InfiniBand/RoCE between nodes, per GPU (one NIC per GPU)
     pcie_bw: float = 20.0  # GPU <-> host, for offload
     host_bw: float = 200.0  # host memory bandwidth per node, shared by its GPUs' CPU optimizer steps
+    # The compute model (compute.py): a GEMM whose smallest dimension is d runs at
+    # peak · gemm_eff · d / (d + gemm_half_dim) (Hockney's r_inf and n_1/2); elementwise work moves bytes
+    # at hbm_bw GB/s (0: not modelled).
+    gemm_eff: float = 0.5
+    gemm_half_dim: float = 0.0
+    hbm_bw: float = 0.0
+    host_ram_gb: float = 0.0  # host memory per node (0: unknown, not checked)
 
     def peak_flops(self, dtype: str) -> float:
         return (self.peak_tflops_fp32 if dtype == "fp32" else self.peak_tflops) * 1e12
@@ -259,23 +281,67 @@ class ClusterSpec:
                   "pcie_bw", "host_bw"):
             if getattr(self, k) <= 0:
                 raise PlanError(f"cluster {self.name}: {k} must be positive, got {getattr(self, k)}")
+        if not 0 < self.gemm_eff <= 1:
+            raise PlanError(f"cluster {self.name}: gemm_eff must be in (0, 1], got {self.gemm_eff}")
+        for k in ("gemm_half_dim", "hbm_bw", "host_ram_gb"):
+            if getattr(self, k) < 0:
+                raise PlanError(f"cluster {self.name}: {k} must be >= 0, got {getattr(self, k)}")
         return self
 
 
+# GEMM efficiency ceiling and half-performance size: fitted once to Narayanan et al. 2021, tables 1 and 2
+# (A100; tests/test_planner_published.py, docs/planner.md) and assumed to carry over to Hopper, whose
+# cuBLAS reaches a similar share of its dense peak.
+GEMM_EFF, GEMM_HALF_DIM = 0.60, 150.0
+
+
+def _gpu(name, mem, peak, fp32, intra, inter, pcie, host, hbm, ram):
+    return ClusterSpec(name, 8, mem, peak, fp32, intra_bw=intra, inter_bw=inter, pcie_bw=pcie, host_bw=host,
+                       gemm_eff=GEMM_EFF, gemm_half_dim=GEMM_HALF_DIM, hbm_bw=hbm,
+                       host_ram_gb=ram)
+
+
+# HBM bandwidths from NVIDIA's datasheets (A100 40 GB 1555, 80 GB 2039, H100 SXM 3350, H200 4800 GB/s);
+# host RAM per node of the DGX A100 (1 TB / 2 TB) and DGX H100/H200 (2 TB) systems.
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     c.name: c for c in (
-        ClusterSpec("a100-40g", 8, 40, 312, 19.5, intra_bw=240, inter_bw=23, pcie_bw=20, host_bw=200),
-        ClusterSpec("a100-80g", 8, 80, 312, 19.5, intra_bw=240, inter_bw=23, pcie_bw=20, host_bw=200),
-        ClusterSpec("h100", 8, 80, 989, 67, intra_bw=360, inter_bw=45, pcie_bw=40, host_bw=300),
-        ClusterSpec("h200", 8, 141, 989, 67, intra_bw=360, inter_bw=45, pcie_bw=40, host_bw=300),
-        # Processes on CPUs with gloo: shared-memory "links" inside a host, 10 GbE between hosts.
+        _gpu("a100-40g", 40, 312, 19.5, 240, 23, 20, 200, 1555, 1000),
+        _gpu("a100-80g", 80, 312, 19.5, 240, 23, 20, 200, 2039, 2000),
+        _gpu("h100", 80, 989, 67, 360, 45, 40, 300, 3350, 2000),
+        _gpu("h200", 141, 989, 67, 360, 45, 40, 300, 4800, 2000),
+        # Processes on CPUs with gloo: shared-memory "links" inside a host, 10 GbE between hosts; a flat
+        # half of peak (no GEMM-size curve, no elementwise term) until ``plan --calibrate`` measures it.
         ClusterSpec("cpu", 8, 16, 0.1, 0.1, intra_bw=5, inter_bw=1.2, pcie_bw=10, host_bw=20),
     )
 }
 
 
 def resolve_cluster(name: str, **overrides) -> ClusterSpec:
-    if name not in CLUSTER_PRESETS:
-        raise PlanError(f"unknown cluster {name!r}; known presets: {', '.join(CLUSTER_PRESETS)}")
+    """A preset name, or a JSON file of ClusterSpec fields (``plan --calibrate ... --save-cluster FILE``)."""
+    if name in CLUSTER_PRESETS:
+        base = CLUSTER_PRESETS[name]
+    elif name.endswith(".json"):
+        base = _cluster_file(name)
+    else:
+        raise PlanError(f"unknown cluster {name!r}; known presets: {', '.join(CLUSTER_PRESETS)} "
+                        f"(or a cluster .json file written by `pyparallel plan --calibrate ... --save-cluster`)")
     given = {k: v for k, v in overrides.items() if v is not None}
-    return replace(CLUSTER_PRESETS[name], **given).validate()
+    return replace(base, **given).validate()
+
+
+def _cluster_file(path: str) -> ClusterSpec:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise PlanError(f"cannot read cluster file {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"cluster file {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    fields = set(ClusterSpec.__dataclass_fields__)
+    if not isinstance(data, dict) or not {"name", "gpus_per_node", "memory_gb", "peak_tflops"} <= data.keys():
+        raise PlanError(f"cluster file {path} must hold a JSON object with the ClusterSpec fields "
+                        f"({', '.join(sorted(fields))})")
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise PlanError(f"cluster file {path}: unknown fields {', '.join(unknown)}")
+    return ClusterSpec(**data)

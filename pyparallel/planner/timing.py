@@ -7,6 +7,8 @@ forward (×4/3, Korthikanti et al. 2022), selective recompute reruns only the at
 
 from __future__ import annotations
 
+import math
+
 from pyparallel.planner.traffic import Phase
 
 
@@ -18,22 +20,38 @@ def model_flops_per_step(model, seq_len: int, tokens: int) -> float:
 
 
 def hardware_flops_per_step(model, seq_len: int, tokens: int, recompute: str = "none") -> float:
-    """FLOPs the GPUs execute: model FLOPs plus recomputation."""
+    """FLOPs the GPUs execute: model FLOPs plus recomputation (of the transformer layers: the output
+    layer is never checkpointed, as in Megatron-LM and Narayanan et al.'s eq. 3)."""
     flops = model_flops_per_step(model, seq_len, tokens)
     if recompute == "full":
-        return flops * 4.0 / 3.0  # one more forward (2 of every 6 units of work)
+        if not model.has_shape:
+            return flops * 4.0 / 3.0  # one more forward (2 of every 6 units of work)
+        layer_fwd = 2.0 * model.layers * model.layer_params() + 4.0 * model.layers * model.hidden * seq_len
+        return flops + layer_fwd * tokens
     if recompute == "selective" and model.has_shape:
         return flops + 4.0 * model.layers * model.hidden * seq_len * tokens  # attention core forward
     return flops
 
 
-def bubble_fraction(pp: int, num_microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
-    """Idle share of a pipelined step: (p−1)/(m+p−1) for GPipe and 1F1B (Huang et al. 2019; Narayanan
-    et al. 2021), divided by v for the interleaved schedule with v chunks per stage."""
+def bubble_fraction(pp: int, num_microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1,
+                    layers_per_stage: int | None = None) -> float:
+    """Idle share of a pipelined step with equal forward, input-gradient and weight-gradient times:
+    (p−1)/(m+p−1) times the schedule's bubble unit, 1 for GPipe and 1F1B (Huang et al. 2019; Narayanan et
+    al. 2021). Interleaving with v chunks divides the bubble by v; when v does not divide the
+    ``layers_per_stage`` n, the largest chunk of ⌈n/v⌉ layers paces it, dividing by n/⌈n/v⌉ instead.
+    ZB-H1 leaves a third of 1F1B's bubble, ZB-V none (Qi et al. 2023; 2024). The step-time model
+    (steptime.py) uses the actual F/B/W times instead of equal ones."""
     if pp <= 1:
         return 0.0
-    bubble = (pp - 1) / (num_microbatches + pp - 1)
-    return bubble / virtual_stages if schedule == "interleaved" else bubble
+    m, p = num_microbatches, pp
+    if schedule == "interleaved":
+        v = virtual_stages
+        if layers_per_stage:
+            v = layers_per_stage / math.ceil(layers_per_stage / virtual_stages)
+        unit = 1.0 / v
+    else:
+        unit = {"zb-h1": 1 / 3, "zbv": 0.0}.get(schedule, 1.0)
+    return (p - 1) / (m + p - 1) * unit
 
 
 def exposed_seconds(phase: Phase, bandwidth_gbs: float, window_s: float) -> float:

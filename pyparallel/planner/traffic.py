@@ -51,13 +51,15 @@ class Phase:
 
 
 def dp_phases(params_rank: float, zero_stage: int, dp: int, dtype: str = "bf16", num_microbatches: int = 1,
-              bucket_bytes: float = 25 * 2**20, layer_params: float = 0.0, ring: bool = True) -> list[Phase]:
+              bucket_bytes: float = 25 * 2**20, layer_params: float = 0.0, ring: bool = True,
+              recompute: str = "none") -> list[Phase]:
     """Data-parallel traffic of one step for DDP or a ZeRO stage (Rajbhandari et al. 2020, section 7).
 
     Gradient accumulation over m micro-batches keeps DDP and ZeRO-1 at one reduction per step (their
     full-size gradients accumulate locally), whereas ZeRO-2 must reduce-scatter every micro-batch (each
     rank keeps only its shard) and ZeRO-3 must also re-gather the weights for every forward and
-    backward, so their volume grows with m.
+    backward, so their volume grows with m. Under full recompute ZeRO-3 gathers a third time, for the
+    recomputed forward (module hooks fire again): 4Ψ per micro-batch instead of 3Ψ.
     """
     if dp <= 1:
         return []
@@ -79,11 +81,14 @@ def dp_phases(params_rank: float, zero_stage: int, dp: int, dtype: str = "bf16",
                 gather]
     layer = layer_params * w
     first = f("all_gather") * layer  # the first layer's gather has nothing to hide behind
-    return [
+    out = [
         Phase("fwd param all-gather", "dp", f("all_gather") * weights, m, "forward", first),
         Phase("bwd param all-gather", "dp", f("all_gather") * weights, m, "backward", first),
         Phase("grad reduce-scatter", "dp", f("reduce_scatter") * grads, m, "backward", bucket_bytes),
     ]
+    if recompute == "full":
+        out.insert(1, Phase("recompute param all-gather", "dp", f("all_gather") * weights, m, "backward", first))
+    return out
 
 
 def tp_phase(stage_layers: int, seq_len: int, micro_batch: int, hidden: int, tp: int, num_microbatches: int,
