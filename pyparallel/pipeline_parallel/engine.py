@@ -23,6 +23,7 @@ with point-to-point traffic derived from it (``p2p.py``), and leaves gradients r
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 import torch.nn as nn
@@ -42,8 +43,10 @@ class PipelineParallel:
 
     ``model_or_blocks``: the built-in GPT, a Hugging Face causal LM, an ``nn.Sequential`` or a list of
     modules (one tensor in, one tensor out). Every rank passes the same, identically initialised model;
-    each keeps only its chunks. ``schedule``: "gpipe", "1f1b" or "interleaved" (with ``virtual_stages``
-    >= 2 chunks per rank). ``loss_fn(outputs, targets)`` returns the mean over ``count_fn(targets)``
+    each keeps only its chunks. ``schedule``: "gpipe", "1f1b", "interleaved" (with ``virtual_stages``
+    >= 2 chunks per rank), or the zero-bubble "zb-h1" and "zbv" (two chunks per rank in a V; Qi et al.
+    2023), whose backward runs as B (input gradient) then W (weight gradients, deferred into the
+    bubbles; see ``split.py``). ``loss_fn(outputs, targets)`` returns the mean over ``count_fn(targets)``
     terms (default: token cross-entropy for language models, required otherwise). ``boundaries``: the
     ``p * v + 1`` block indices where chunks start (default: balanced by parameter count).
     """
@@ -59,20 +62,22 @@ class PipelineParallel:
                              f"loss_fn(outputs, targets) returning the mean loss of a micro-batch")
         self.count_fn = count_fn or partition.default_count
         self.mesh, self.group = mesh, mesh.pp_group
-        self.p, self.rank, self.v, self.schedule = mesh.pp, mesh.pp_rank, virtual_stages, schedule
+        self.p, self.rank, self.schedule = mesh.pp, mesh.pp_rank, schedule
         schedules.check_schedule(schedule, self.p, virtual_stages)
+        self.v = virtual_stages = schedules.chunks_per_stage(schedule, virtual_stages)
         if num_microbatches is not None:
             schedules.check_config(schedule, self.p, num_microbatches, virtual_stages)
         self.num_microbatches = num_microbatches
+        self.split_backward = schedule in schedules.SPLIT_BACKWARD
         self.bounds = partition.plan_chunks(blocks, self.p, virtual_stages, boundaries)
         self.num_chunks = self.p * virtual_stages
         self.reduce_dp_grads = reduce_dp_grads
         self._meta_blocks = meta_copy(blocks)
         self.chunks = {c: Chunk(blocks[self.bounds[c]:self.bounds[c + 1]], c, self.bounds[c],
                                 activation_checkpointing).to(mesh.device)
-                       for c in range(self.num_chunks) if c % self.p == self.rank}
+                       for c in range(self.num_chunks) if self.stage_of(c) == self.rank}
         self._p2p_groups = self._make_p2p_groups()
-        self._tied = self._make_tied_groups(partition.tied_parameters(blocks, self.bounds, self.p))
+        self._tied = self._make_tied_groups(partition.tied_parameters(blocks, self.bounds, self.p, self.stage_of))
         self._sync_initial_weights()
         self._meter = SavedTensorMeter(exclude=self.parameters()) if track_activation_memory else None
         self._plans: dict[int, tuple] = {}
@@ -117,17 +122,22 @@ class PipelineParallel:
 
     @property
     def is_last(self) -> bool:
-        return self.rank == (self.num_chunks - 1) % self.p
+        return self.rank == self.stage_of(self.num_chunks - 1)
+
+    def stage_of(self, c: int) -> int:
+        """The pipeline rank holding global chunk ``c`` (round robin; the V for "zbv")."""
+        return schedules.stage_of(self.schedule, c, self.p)
 
     def _make_p2p_groups(self) -> dict[tuple[int, int], comm.Group]:
         """A two-rank group (sender first) per direction of every pair of stages that exchange messages,
         per (dp, tp) coordinate, created on every rank in one order (see ``p2p.py`` for why per
         direction). Then one small message through each, in the same global order on every rank, so
         that lazily initialised communicators (NCCL) are set up before any schedule depends on them."""
-        mesh, p, edges = self.mesh, self.p, set()
+        mesh, edges = self.mesh, set()
         for c in range(self.num_chunks - 1):
-            a, b = c % p, (c + 1) % p
-            edges |= {(a, b), (b, a)}
+            a, b = self.stage_of(c), self.stage_of(c + 1)
+            if a != b:  # ZBV's turn (chunks p-1 and p on rank p-1) needs no message
+                edges |= {(a, b), (b, a)}
         mine = {}
         for dp in range(mesh.dp):
             for tp in range(mesh.tp):
@@ -184,7 +194,7 @@ class PipelineParallel:
         expected_shapes = self._infer(mb_shape(inputs, m), mb_shape(targets, m))
         scales = self._loss_scales(mb_targets) if self.is_last else None
         actions, expected = self._plan(m)
-        compute = StageCompute(self.chunks, self.num_chunks, self.loss_fn, self._meter)
+        compute = StageCompute(self.chunks, self.num_chunks, self.loss_fn, self._meter, self.split_backward)
         if self._meter is not None:
             self._meter.reset_peak()
         links = Links(self._p2p_groups, self.rank, expected, dev, expected_shapes)
@@ -196,7 +206,9 @@ class PipelineParallel:
         self._stats.steps.append(StepRecord(
             busy_s=compute.busy_s, idle_s=links.wait_s + flush_s, wall_s=time.perf_counter() - start,
             peak_inflight=compute.peak_inflight,
-            peak_activation_bytes=self._meter.peak if self._meter is not None else None))
+            peak_activation_bytes=self._meter.peak if self._meter is not None else None,
+            weight_s=compute.weight_s, early_w=self._early_w,
+            split=dict(compute.split_counts) if self.split_backward else None))
         return loss
 
     def _validate(self, inputs, targets, m) -> None:
@@ -218,7 +230,7 @@ class PipelineParallel:
         if key not in self._shapes:
             x = torch.empty(x_shape[0], dtype=x_shape[1], device="meta")
             t = torch.empty(t_shape[0], dtype=t_shape[1], device="meta")
-            shapes = infer_shapes(self._meta_blocks, self.bounds, self.p, x, t, self.loss_fn)
+            shapes = infer_shapes(self._meta_blocks, self.bounds, self.p, x, t, self.loss_fn, self.stage_of)
             self._shapes[key] = None if shapes is None else dict(enumerate(shapes))
         return self._shapes[key]
 
@@ -232,32 +244,71 @@ class PipelineParallel:
     def _plan(self, m: int):
         if m not in self._plans:
             lists = [schedules.build(self.schedule, r, self.p, m, self.v) for r in range(self.p)]
-            expected = {peer: schedules.messages_from(lists[peer], peer, self.rank, self.p, self.num_chunks)
+            expected = {peer: schedules.messages_from(lists[peer], peer, self.rank, self.p, self.num_chunks,
+                                                      self.schedule)
                         for peer in range(self.p) if peer != self.rank}
             self._plans[m] = (lists[self.rank], expected)
         return self._plans[m]
 
     def _run(self, actions, compute: StageCompute, links: Links, mb_inputs, mb_targets, scales) -> None:
-        p, last = self.p, self.num_chunks - 1
+        """Execute this rank's action list. Activations and gradients between chunks on the same rank (ZBV's
+        turn) are handed over locally. Under a zero-bubble schedule, a stage about to block on a message
+        that has not arrived first runs deferred W's — the next ones of its list, in list order, whose B
+        has run — so the weight gradients fill the wait; W sends nothing, so the message order (and hence
+        every receive) is unchanged, and gradients accumulate in the same order as the list's."""
+        last, me = self.num_chunks - 1, self.rank
+        local: dict[tuple, torch.Tensor] = {}
+        w_queue = deque(a for a in actions if a.kind == "W")
+        early: set = set()
+        self._early_w = 0
+
+        def receive(peer: int, key: tuple) -> torch.Tensor:
+            while w_queue and not links.ready(peer, key):
+                a = w_queue[0]
+                if not compute.has_weight(a.chunk, a.mb):
+                    break
+                w_queue.popleft()
+                compute.weight(a.chunk, a.mb)
+                early.add(a)
+                self._early_w += 1
+            return links.take(peer, key)
+
         for a in actions:
             c, i = a.chunk, a.mb
-            if a.kind == "F":
+            if a.kind == "W":
+                if a not in early:
+                    assert w_queue[0] == a, (a, w_queue[0])
+                    w_queue.popleft()
+                    compute.weight(c, i)
+            elif a.kind == "F":
                 if c == 0:
                     x = mb_inputs[i]
+                elif self.stage_of(c - 1) == me:
+                    y = local.pop(("act", c - 1, i))
+                    x = y.detach().requires_grad_(y.requires_grad and y.is_floating_point())
                 else:
-                    x = links.take((c - 1) % p, ("act", c - 1, i))
+                    x = receive(self.stage_of(c - 1), ("act", c - 1, i))
                     x.requires_grad_(links.act_meta[c - 1][2] and x.is_floating_point())
                 if c == last:
                     compute.forward(c, i, x, mb_targets[i], scales[i])
                 else:
-                    links.send_act(c, compute.forward(c, i, x), (c + 1) % p)
+                    y = compute.forward(c, i, x)
+                    if self.stage_of(c + 1) == me:
+                        local[("act", c, i)] = y
+                    else:
+                        links.send_act(c, y, self.stage_of(c + 1))
             else:
                 grad = None
-                if c != last and links.sent_meta[c][2]:
-                    grad = links.take((c + 1) % p, ("grad", c, i))
+                if c != last and self.stage_of(c + 1) == me:
+                    grad = local.pop(("grad", c, i), None)
+                elif c != last and links.sent_meta[c][2]:
+                    grad = receive(self.stage_of(c + 1), ("grad", c, i))
                 gx = compute.backward(c, i, grad)
                 if gx is not None:
-                    links.send_grad(gx, (c - 1) % p)
+                    if self.stage_of(c - 1) == me:
+                        local[("grad", c - 1, i)] = gx
+                    else:
+                        links.send_grad(gx, self.stage_of(c - 1))
             links.progress()
         links.finish()
 
@@ -320,7 +371,8 @@ class PipelineParallel:
         mine = {"stage": self.rank, **self._stats.summary(),
                 "inflight_limit": schedules.inflight_limit(self.schedule, self.rank, self.p, m, self.v)}
         out = {"schedule": self.schedule, "p": self.p, "v": self.v, "m": m,
-               "bubble_theory": schedules.theoretical_bubble(self.p, m, self.v)}
+               "bubble_theory": schedules.theoretical_bubble(self.p, m, self.v, self.schedule),
+               "backward_split": self.split_backward}
         if local:
             return {**out, **mine}
         stages = comm.all_gather_object(mine, self.group)
@@ -332,6 +384,7 @@ class PipelineParallel:
             "peak_inflight": [s.get("peak_inflight") for s in stages],
             "inflight_limit": [s["inflight_limit"] for s in stages],
             "peak_activation_bytes": [s.get("peak_activation_bytes") for s in stages],
+            "split": [s.get("split") for s in stages],
             "stages": stages,
         })
         return out

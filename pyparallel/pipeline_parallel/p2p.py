@@ -145,6 +145,18 @@ class Links:
         self.wait_s += time.perf_counter() - start
         return buf
 
+    def ready(self, peer: int, key: tuple) -> bool:
+        """Whether message ``key`` from ``peer`` has arrived (never blocks): a zero-bubble stage runs a
+        deferred W instead of waiting when it has not."""
+        inc = self.incoming[peer]
+        i = inc.index[key]
+        if i >= inc.posted:
+            self._post_ready(inc)
+            if i >= inc.posted:
+                return False
+        slot = inc.slots.get(i)
+        return slot is None or slot[1].is_completed()
+
     def progress(self) -> None:
         """Post receives whose sizes became known, without blocking (called between compute)."""
         for inc in self.incoming.values():

@@ -112,12 +112,15 @@ def plan_chunks(blocks: Sequence[nn.Module], p: int, v: int, boundaries=None) ->
     return balance(block_costs(blocks), n_chunks)
 
 
-def tied_parameters(blocks: Sequence[nn.Module], bounds: Sequence[int], p: int) -> list[tuple]:
+def tied_parameters(blocks: Sequence[nn.Module], bounds: Sequence[int], p: int,
+                    stage_of: Callable[[int], int] | None = None) -> list[tuple]:
     """Parameters shared by chunks on different ranks (the GPT's wte / lm_head):
     ``[(name, stages, parameter)]``.
 
     ``name`` is the parameter's name inside the first chunk that holds it (``"0.wte.weight"``: block 0
-    of that chunk) and ``stages`` the sorted pipeline ranks that hold a copy. Sharing within one rank
+    of that chunk) and ``stages`` the sorted pipeline ranks that hold a copy (chunk ``c`` on rank
+    ``stage_of(c)``, by default ``c % p``; under ZBV the GPT's first and last chunk share rank 0, so its
+    tie needs no group). Sharing within one rank
     needs nothing: autograd sums into the one Parameter."""
     holders: dict[int, list[int]] = {}
     names: dict[int, str] = {}
@@ -130,7 +133,7 @@ def tied_parameters(blocks: Sequence[nn.Module], bounds: Sequence[int], p: int) 
             params[id(prm)] = prm
     out = []
     for key, chunks in holders.items():
-        stages = tuple(sorted({c % p for c in chunks}))
+        stages = tuple(sorted({(stage_of(c) if stage_of else c % p) for c in chunks}))
         if len(stages) > 1:
             out.append((names[key], stages, params[key]))
     return out

@@ -2,7 +2,9 @@
 
 The stage keeps, per (chunk, micro-batch) in flight, the chunk's input (a leaf that requires grad, so its
 ``.grad`` is the gradient to send back) and its output (or, on the last chunk, the micro-batch's scaled
-loss). Backward of a micro-batch frees both, which is what bounds 1F1B's activation memory.
+loss). Backward of a micro-batch frees both, which is what bounds 1F1B's activation memory. Under a
+zero-bubble schedule the backward is two actions (``split.py``): B returns the input gradient and keeps
+the graph as a ``WeightPass``; W runs it and frees the micro-batch.
 
 Shape inference runs the whole block list on the ``meta`` device (no memory, no compute) on every rank
 alike, so a chunk that cannot take its predecessor's output — or targets that do not fit the outputs —
@@ -17,6 +19,8 @@ import time
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+
+from pyparallel.pipeline_parallel.split import backward_input
 
 
 class Chunk(nn.Module):
@@ -61,16 +65,18 @@ def meta_copy(blocks) -> list[nn.Module]:
 _UNSUPPORTED = ("meta", "data-dependent", "not implemented", "notimplemented")
 
 
-def infer_shapes(meta_blocks, bounds, p: int, x: torch.Tensor, targets: torch.Tensor, loss_fn):
+def infer_shapes(meta_blocks, bounds, p: int, x: torch.Tensor, targets: torch.Tensor, loss_fn, place=None):
     """Shapes/dtypes crossing each chunk boundary for one micro-batch like ``x``, or None where the
-    model cannot run on meta tensors (then only the runtime handshake checks). ValueError on a misfit."""
+    model cannot run on meta tensors (then only the runtime handshake checks). ValueError on a misfit.
+    ``place(c)``: the rank of chunk ``c`` (default ``c % p``), for the messages."""
+    place = place or (lambda c: c % p)
     x = torch.empty(x.shape, dtype=x.dtype, device="meta")
     targets = torch.empty(targets.shape, dtype=targets.dtype, device="meta")
     out = []
     with torch.no_grad():
         for c in range(len(bounds) - 1):
             blocks = meta_blocks[bounds[c]:bounds[c + 1]]
-            where = f"chunk {c} (blocks {bounds[c]}..{bounds[c + 1] - 1} on stage {c % p})"
+            where = f"chunk {c} (blocks {bounds[c]}..{bounds[c + 1] - 1} on stage {place(c)})"
             got = f"input of shape {tuple(x.shape)} ({x.dtype})"
             try:
                 for b in blocks:
@@ -104,17 +110,29 @@ def infer_shapes(meta_blocks, bounds, p: int, x: torch.Tensor, targets: torch.Te
 
 
 class StageCompute:
-    """Forward and backward of single (chunk, micro-batch) pairs on this rank, timed as busy."""
+    """Forward and backward of single (chunk, micro-batch) pairs on this rank, timed as busy.
 
-    def __init__(self, chunks: dict[int, Chunk], num_chunks: int, loss_fn, meter=None):
+    ``split``: B computes only the input gradient and W the weight gradients later (zero-bubble
+    schedules). A chunk with activation checkpointing is not split: its W would recompute every block once
+    per weight group (each W group is its own autograd call, and checkpoint recomputes per call), so its
+    B runs the whole backward and its W does nothing; ``split_counts`` records which way each went."""
+
+    def __init__(self, chunks: dict[int, Chunk], num_chunks: int, loss_fn, meter=None, split: bool = False):
         self.chunks = chunks
         self.num_chunks = num_chunks
         self.loss_fn = loss_fn
         self.meter = meter
+        self.split = split
+        self._params = {c: [q for q in ch.parameters() if q.requires_grad] for c, ch in chunks.items()}
         self.state: dict[tuple[int, int], tuple] = {}
+        self.pending_w: dict[tuple[int, int], object] = {}
         self.busy_s = 0.0
+        self.weight_s = 0.0
         self.peak_inflight = 0
         self.loss_sum = 0.0
+        # B passes that were split (input gradient only), that ran the whole backward (checkpointed
+        # chunk), and that had no input gradient to compute (the first chunk: all of it is W).
+        self.split_counts = {"split": 0, "full_checkpointed": 0, "no_input_grad": 0, "weight_groups": 0}
 
     def forward(self, c: int, mb: int, x: torch.Tensor, target=None, scale: float = 1.0):
         """Run chunk ``c`` on micro-batch ``mb``; return the output to send (None on the last chunk).
@@ -128,7 +146,7 @@ class StageCompute:
             y = self.chunks[c](x)
             result = self._finish_forward(c, mb, x, y, target, scale)
         self.busy_s += time.perf_counter() - start
-        self.peak_inflight = max(self.peak_inflight, len(self.state))
+        self.peak_inflight = max(self.peak_inflight, len(self.state) + len(self.pending_w))
         return result
 
     def _finish_forward(self, c, mb, x, y, target, scale):
@@ -143,10 +161,20 @@ class StageCompute:
         return y
 
     def backward(self, c: int, mb: int, grad: torch.Tensor | None):
-        """Backward of chunk ``c`` on micro-batch ``mb``; return the input's gradient (None when the
-        input needs none, i.e. on the first chunk)."""
+        """Backward of chunk ``c`` on micro-batch ``mb`` (its input-gradient half when splitting); return
+        the input's gradient (None when the input needs none, i.e. on the first chunk)."""
         x, y = self.state.pop((c, mb))
         start = time.perf_counter()
+        if self.split and not self.chunks[c].activation_checkpointing:
+            gx, wpass = backward_input(y, grad, x, self._params[c])
+            self.pending_w[(c, mb)] = wpass
+            kind = "split" if gx is not None else "no_input_grad"
+            self.split_counts[kind] += 1
+            self.split_counts["weight_groups"] += wpass.num_groups
+            self.busy_s += time.perf_counter() - start
+            return gx if c != 0 and x.requires_grad else None
+        if self.split:
+            self.split_counts["full_checkpointed"] += 1
         if y.requires_grad:
             if grad is None:
                 torch.autograd.backward(y)
@@ -156,3 +184,18 @@ class StageCompute:
         if c == 0 or not x.requires_grad:
             return None
         return x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def has_weight(self, c: int, mb: int) -> bool:
+        """Whether B of (c, mb) has run, so its W may run."""
+        return (c, mb) in self.pending_w
+
+    def weight(self, c: int, mb: int) -> None:
+        """W of chunk ``c`` on micro-batch ``mb``: accumulate its weight gradients, free its graph."""
+        wpass = self.pending_w.pop((c, mb), None)
+        if wpass is None:  # not split (checkpointed chunk, or a schedule without W): B did everything
+            return
+        start = time.perf_counter()
+        wpass.run()
+        spent = time.perf_counter() - start
+        self.busy_s += spent
+        self.weight_s += spent

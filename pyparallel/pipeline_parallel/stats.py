@@ -4,6 +4,12 @@
 * **idle**: wall time blocked on the pipeline — waiting for an activation or gradient from a neighbour,
   for the step's sends, and for the flush at the end of the step (the all-reduce of the loss over the
   pipeline group, which every stage reaches only after the last backward of the whole pipeline).
+* **weight**: the part of busy spent in deferred W passes (zero-bubble schedules), and how many of them
+  ran early, to fill a wait for a message.
+* **split**: per step, how this stage's backward passes were split — ``split`` (B computed the input
+  gradient only), ``no_input_grad`` (the first chunk: B empty, all of it in W), ``full_checkpointed``
+  (activation checkpointing: the whole backward in B, W empty) — and how many W autograd calls
+  (``weight_groups``) that took.
 * **bubble** = idle / (busy + idle), per stage; the pipeline's is the mean over stages. The theory it is
   compared with, ``(p - 1) / (v m + p - 1)``, assumes equal chunk times and free messages.
 
@@ -28,6 +34,9 @@ class StepRecord:
     wall_s: float = 0.0
     peak_inflight: int = 0
     peak_activation_bytes: int | None = None
+    weight_s: float = 0.0
+    early_w: int = 0
+    split: dict | None = None
 
     @property
     def bubble(self) -> float:
@@ -57,6 +66,9 @@ class StageStats:
             "median_step_s": statistics.median(s.wall_s for s in self.steps),
             "peak_inflight": max(s.peak_inflight for s in self.steps),
             "peak_activation_bytes": max(act) if act else None,
+            "weight_s": sum(s.weight_s for s in self.steps),
+            "early_w": sum(s.early_w for s in self.steps),
+            "split": self.steps[-1].split,
             "last_step": asdict(self.steps[-1]),
         }
 
