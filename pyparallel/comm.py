@@ -492,27 +492,6 @@ def recv(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False):
     return _p2p("recv", group, nbytes, lambda: dist.irecv(tensor, group.ranks[src], group=group.pg), async_op)
 
 
-def batch_send_recv(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[Handle]:
-    """Issue several sends/receives together: ``ops`` is a list of ("send"|"recv", tensor, group peer).
-
-    Returns one handle per op. Used by pipeline schedules so that a stage that both sends and receives
-    in one slot never deadlocks against its neighbour."""
-    p2p = []
-    for kind, tensor, peer in ops:
-        fn = dist.isend if kind == "send" else dist.irecv
-        p2p.append(dist.P2POp(fn, tensor, group.ranks[peer], group=group.pg))
-        _account(kind, group, tensor.numel() * tensor.element_size())
-    group.seq += 1
-    seq = group.seq
-    if not p2p:
-        return []
-    try:
-        works = dist.batch_isend_irecv(p2p)
-    except Exception as exc:
-        raise _translate(exc, "batch_send_recv", group, seq) from exc
-    return [Handle(w, f"{k}(peer {group.ranks[p]})", group, seq) for w, (k, _, p) in zip(works, ops)]
-
-
 def _p2p(op: str, group: Group, nbytes: int, issue, async_op: bool):
     group.seq += 1
     seq = group.seq

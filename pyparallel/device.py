@@ -6,7 +6,6 @@ synchronisation, so that a CPU-only run never trips over a CUDA call.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -46,32 +45,6 @@ def synchronize(device: torch.device | None = None) -> None:
     """Wait for queued kernels (no-op on CPU); timing code calls this before reading the clock."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def side_stream(device: torch.device):
-    """A stream for copies that overlap compute, or None on CPU."""
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
-
-
-def stream_context(stream):
-    """``with stream_context(s):`` runs on ``s``; a ``None`` stream (CPU) is a no-op."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def current_stream(device: torch.device):
-    return torch.cuda.current_stream(device) if device.type == "cuda" else None
-
-
-def wait_stream(waiter, waitee) -> None:
-    """Make ``waiter`` wait for work queued on ``waitee`` (both CUDA streams, or no-op)."""
-    if waiter is not None and waitee is not None:
-        waiter.wait_stream(waitee)
-
-
-def record_stream(tensor: torch.Tensor, stream) -> None:
-    """Tell the caching allocator that ``tensor`` is used on ``stream`` (no-op on CPU)."""
-    if stream is not None and tensor.is_cuda:
-        tensor.record_stream(stream)
 
 
 def reset_peak_memory(device: torch.device) -> None:

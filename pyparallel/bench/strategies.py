@@ -221,23 +221,12 @@ def _needs(spec: StrategySpec) -> list[str]:
     return need
 
 
-# Compositions the library cannot run yet, with where they fail. Delete an entry once the composition
-# works: tests/test_bench.py then runs it among the --nprocs 4 defaults.
-# Compositions this build cannot run yet, with the reason shown to the user (none at present).
-GAPS: dict[tuple[str, ...], str] = {}
-
-
 def unavailable(spec: StrategySpec) -> str | None:
-    """Why this build of pyparallel cannot run ``spec`` (a module not there yet, a composition the
-    library does not support yet), or None."""
+    """Why this install of pyparallel cannot run ``spec`` (a module missing from it), or None."""
     if spec.is_peer:
         from pyparallel.bench import peers
 
         return peers.unavailable(spec)
-    axes = tuple(a for a, d in (("dp", spec.dp), ("tp", spec.tp), ("pp", spec.pp)) if d > 1)
-    for combo, why in GAPS.items():
-        if set(combo) <= set(axes):
-            return why
     for key in _needs(spec):
         try:
             importlib.import_module(_MODULES[key])

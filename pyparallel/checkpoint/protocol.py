@@ -1,9 +1,9 @@
 """Who holds what: asking a model and its optimizer for their pieces, and handing pieces back on load.
 
-A wrapper that knows its shards says so itself (``checkpoint_pieces`` / ``load_checkpoint_pieces``:
-``pyparallel.parallelize``'s model and optimizer). ZeRO's wrappers are described by zero/pieces.py;
-every other module (plain, DataParallel, tensor-parallelized, a PipelineParallel stage) and torch
-optimizer by combined/modules.py.
+One protocol: a wrapper that knows its shards describes them itself (``checkpoint_pieces()`` /
+``load_checkpoint_pieces(reader, manifest)``: the models and optimizers of ``pyparallel.zero.setup`` and
+``pyparallel.parallelize``, through zero/pieces.py). Every other module (plain, DataParallel,
+tensor-parallelized, a PipelineParallel stage) and torch optimizer is described by combined/modules.py.
 """
 
 from __future__ import annotations
@@ -17,20 +17,10 @@ from pyparallel import comm
 from pyparallel.checkpoint.format import Piece, _assemble
 
 
-def _zero_model(model):
-    from pyparallel.zero.module import ZeroModule
-
-    return model if isinstance(model, ZeroModule) else None
-
-
 def _module_pieces(model) -> list[tuple[Piece, torch.Tensor]]:
     provider = getattr(model, "checkpoint_pieces", None)
     if provider is not None:
         return provider()
-    if _zero_model(model) is not None:
-        from pyparallel.zero import pieces as zero_pieces
-
-        return zero_pieces.model_pieces(model)
     from pyparallel.combined import modules
 
     return modules.module_pieces(model)
@@ -40,10 +30,6 @@ def _optimizer_pieces(model, optimizer) -> list[tuple[Piece, torch.Tensor]]:
     provider = getattr(optimizer, "checkpoint_pieces", None)
     if provider is not None:
         return provider()
-    if _zero_model(model) is not None:
-        from pyparallel.zero import pieces as zero_pieces
-
-        return zero_pieces.optimizer_pieces(model, optimizer)
     from pyparallel.combined import modules
 
     return modules.optimizer_pieces(model, optimizer)
@@ -53,10 +39,6 @@ def _load_model(model, reader) -> None:
     loader = getattr(model, "load_checkpoint_pieces", None)
     if loader is not None:
         return loader(reader, None)
-    if _zero_model(model) is not None:
-        from pyparallel.zero import pieces as zero_pieces
-
-        return zero_pieces.load_model(model, reader)
     from pyparallel.combined import modules
 
     return modules.load_module(model, reader)
@@ -66,10 +48,6 @@ def _load_optimizer(model, optimizer, reader, manifest) -> None:
     loader = getattr(optimizer, "load_checkpoint_pieces", None)
     if loader is not None:
         return loader(reader, manifest)
-    if _zero_model(model) is not None:
-        from pyparallel.zero import pieces as zero_pieces
-
-        return zero_pieces.load_optimizer(model, optimizer, reader, manifest)
     from pyparallel.combined import modules
 
     return modules.load_torch_optimizer(model, optimizer, reader, manifest)

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from pyparallel import _ops
-
 
 @dataclass(eq=False)
 class Bucket:
@@ -60,11 +58,6 @@ class Bucket:
         elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
         p.grad = view
-
-    def gather_grads(self) -> None:
-        """Copy every parameter's current gradient into the buffer in one multi-tensor op (zeros for None)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        _ops.flatten_into(grads, self.buffer)
 
 
 def bucket_groups(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int,

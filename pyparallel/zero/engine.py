@@ -487,7 +487,8 @@ class ShardEngine:
             return self.gatherer.memory_parts()
         S, cd, rd = self.space.numel, self.compute_dtype, self.reduce_dtype
         padded = sum(lay.padded for lay in self.layouts)
-        biggest = max((lay.padded for lay in self.layouts), default=0)
+        sizes = sorted((lay.padded for lay in self.layouts), reverse=True)
+        inflight = self.reducer.max_inflight
         frozen = sum(p.numel() * p.element_size() for _, p in self.frozen)
         buffers = {}
         if self.stage == 3:  # per step: the gathered groups and full gradients live during the step only
@@ -500,10 +501,12 @@ class ShardEngine:
             states = {"params": _nbytes(padded, cd) + frozen, "grads": grads}
             if self.stage == 1:
                 buffers["reduced_grad_shard"] = _nbytes(S, rd)
-                if rd != self.accum_dtype:
-                    buffers["reduce_cast_buckets"] = self.reducer.max_inflight * _nbytes(biggest, rd)
+                if rd != self.accum_dtype:  # a cast copy of each bucket in flight
+                    buffers["reduce_cast_buckets"] = _nbytes(sum(sizes[:inflight]), rd)
             elif self.stage == 2:
-                buffers["grad_buckets"] = (self.reducer.max_inflight + 1) * _nbytes(biggest, rd)
+                # At most the reductions in flight plus the bucket being filled, and never more buckets than
+                # there are: a model that fits in one bucket holds one bucket's gradient, not three.
+                buffers["grad_buckets"] = _nbytes(sum(sizes[:inflight + 1]), rd)
         if self.stage >= 1 and rd != self.master_dtype:
             buffers["step_grad_master_dtype"] = _nbytes(S, self.master_dtype)
         if self.stage in (1, 2) and self.master is not None:

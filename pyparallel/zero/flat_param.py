@@ -113,10 +113,6 @@ class ShardSpace:
         """Elements over all ranks, padding included (N x numel)."""
         return sum(layout.padded for layout in self.layouts)
 
-    @property
-    def param_numel(self) -> int:
-        return sum(layout.numel for layout in self.layouts)
-
     def new(self, dtype: torch.dtype, device, zero: bool = True) -> torch.Tensor:
         return (torch.zeros if zero else torch.empty)(self.numel, dtype=dtype, device=device)
 
