@@ -20,10 +20,14 @@ _result = result
 
 
 def _rank_info(x):
+    import torch
     import torch.distributed as dist
 
     mesh = pyparallel.init()
-    return (dist.get_rank(), mesh.world_size, x * 10)
+    gen = torch.Generator().manual_seed(mesh.rank)
+    tensors = {"small": torch.randn(3, generator=gen), "big": torch.randn(1 << 20, generator=gen),
+               "view": torch.arange(10.0)[2:5], "int": torch.tensor([mesh.rank], dtype=torch.int64)}
+    return (dist.get_rank(), mesh.world_size, x * 10, tensors)
 
 
 def _fails_on_rank_1():
@@ -33,8 +37,47 @@ def _fails_on_rank_1():
     return "ok"
 
 
-def test_launch_returns_each_rank_result():
-    assert pyparallel.launch(_rank_info, 2, (4,)) == [(0, 2, 40), (1, 2, 40)]
+def test_launch_returns_each_rank_result_tensors_included():
+    import torch
+
+    out = pyparallel.launch(_rank_info, 2, (4,))
+    assert [o[:3] for o in out] == [(0, 2, 40), (1, 2, 40)]
+    for rank, (*_, tensors) in enumerate(out):  # copied into the message: alive after the ranks are gone
+        gen = torch.Generator().manual_seed(rank)
+        assert torch.equal(tensors["small"], torch.randn(3, generator=gen))
+        assert torch.equal(tensors["big"], torch.randn(1 << 20, generator=gen))
+        assert tensors["view"].tolist() == [2.0, 3.0, 4.0] and tensors["int"].item() == rank
+
+
+def _dies_on_rank_1(how):
+    import signal
+    import time
+
+    import torch
+
+    from pyparallel import comm
+
+    mesh = pyparallel.init(timeout_s=60)
+    comm.all_reduce(torch.ones(2), mesh.world_group)
+    if mesh.rank == 1:
+        time.sleep(0.2)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3 if how == "exit3" else 0)
+    comm.all_reduce(torch.ones(2), mesh.world_group)  # rank 0 waits for a peer that is gone
+    return "unreachable"
+
+
+@pytest.mark.parametrize("how, code, sig, says", [("exit3", 3, None, "exited with code 3"),
+                                                  ("kill", -9, "SIGKILL", "was killed by SIGKILL"),
+                                                  ("exit0", 0, None, "exited with code 0")])
+def test_launch_names_the_rank_that_died_not_its_survivor(how, code, sig, says):
+    with pytest.raises(pyparallel.LaunchError) as info:
+        pyparallel.launch(_dies_on_rank_1, 2, (how,), timeout_s=120)
+    err = info.value
+    assert err.rank == 1 and err.exit_code == code and err.signal == sig, str(err)
+    assert str(err).startswith(f"rank 1 failed: rank 1 {says} before returning a result")
+    assert any(o.startswith("rank 0 raised CollectiveError") for o in err.others), err.others
 
 
 def test_launch_raises_the_failing_ranks_traceback():
