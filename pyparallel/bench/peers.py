@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pyparallel import comm
+from pyparallel.bench.adapter import Adapter, adamw, dp_rows
 from pyparallel.bench.measure import count_model_states
-from pyparallel.bench.strategies import Adapter, adamw, dp_rows
 
 _NEEDS = {
     "torch-ddp": ["torch.nn.parallel"],
@@ -29,6 +29,7 @@ _NEEDS = {
     "torch-fsdp2-zero2": ["torch.distributed.fsdp"],
     "torch-tp": ["torch.distributed.tensor.parallel"],
     "torch-pp-1f1b": ["torch.distributed.pipelining"],
+    "torch-fsdp2xtp": ["torch.distributed.fsdp", "torch.distributed.tensor.parallel"],
 }
 
 
@@ -139,6 +140,36 @@ class TorchTP(TorchDDP):
         return loss.item()
 
 
+class TorchFSDP2TP(TorchTP):
+    """torchtitan's 2-D layout: DTensor TP over the tp axis inside each block, then FSDP2 ``fully_shard``
+    per block and at the root over the dp axis of one 2-D ``DeviceMesh`` (TP shards sharded again over DP)."""
+
+    def __init__(self, *a):
+        Adapter.__init__(self, *a)
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.mesh
+        ranks = torch.tensor([[mesh.rank_of(dp=d, tp=t, pp=0) for t in range(mesh.tp)] for d in range(mesh.dp)])
+        dm = DeviceMesh.from_group([mesh.dp_group.pg, mesh.tp_group.pg], self.dev.type, mesh=ranks,
+                                   mesh_dim_names=("dp", "tp"))
+        self.model = self.new_model()
+        plan = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(), "attn.o_proj": RowwiseParallel(),
+                "mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}
+        for block in self.model.blocks:
+            parallelize_module(block, dm["tp"], plan)
+            fully_shard(block, mesh=dm["dp"])
+        fully_shard(self.model, mesh=dm["dp"])
+        self.wrapped = self.model
+        self.opt = adamw(self.model.parameters(), self.hp)
+
+    def step(self, idx, tgt):
+        idx, tgt = (dp_rows(t, self.mesh.dp, self.mesh.dp_rank) for t in (idx, tgt))
+        return super().step(idx, tgt)
+
+
 class _Stage(nn.Module):
     """A contiguous slice of the GPT for one pipeline rank: embeddings first, blocks, head last."""
 
@@ -204,7 +235,8 @@ class TorchPipeline(Adapter):
 
 
 PEERS = {"torch-ddp": TorchDDP, "torch-zero1": TorchZero1, "torch-fsdp2": TorchFSDP2,
-         "torch-fsdp2-zero2": TorchFSDP2Zero2, "torch-tp": TorchTP, "torch-pp-1f1b": TorchPipeline}
+         "torch-fsdp2-zero2": TorchFSDP2Zero2, "torch-tp": TorchTP, "torch-pp-1f1b": TorchPipeline,
+         "torch-fsdp2xtp": TorchFSDP2TP}
 
 
 def build(spec, mesh, cfg, hp, microbatches) -> Adapter:

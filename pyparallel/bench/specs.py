@@ -3,8 +3,9 @@ and which the default run picks.
 
 Names are short and stable (they are the keys of the JSON rows): ``single``, ``ddp``, ``zero1``,
 ``zero2``, ``zero3``, ``zero3-offload``, ``tp``, ``pp-gpipe``, ``pp-1f1b``, ``pp-interleaved``, layouts
-such as ``dp2xtp2``, ``dp2xpp2``, ``tp2xpp2``, ``dp2xtp2xpp2`` (degrees multiply to the world size), and
-the PyTorch peers ``torch-*`` added by ``--peers``.
+such as ``dp2xtp2``, ``dp2xpp2``, ``tp2xpp2``, ``dp2xtp2xpp2`` (degrees multiply to the world size; plain
+data parallelism on dp), the same with a ZeRO stage on dp (``dp2xtp2-zero3``: ``pyparallel.parallelize``),
+and the PyTorch peers ``torch-*`` added by ``--peers``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class StrategyError(ValueError):
 
 
 _PP_SCHEDULES = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved"}
-_LAYOUT = re.compile(r"^(?:dp(\d+))?(?:x?tp(\d+))?(?:x?pp(\d+))?$")
+_LAYOUT = re.compile(r"^(?:dp(\d+))?(?:x?tp(\d+))?(?:x?pp(\d+))?(?:-zero[0-3])?$")
 
 # PyTorch's own implementations, each against the pyparallel strategy a user would otherwise compare.
 PEERS = {
@@ -61,6 +62,8 @@ PEERS = {
     "torch-tp": ("tp", "DTensor parallelize_module, ColwiseParallel/RowwiseParallel"),
     "torch-pp-1f1b": ("pp-1f1b", "torch.distributed.pipelining Schedule1F1B"),
 }
+# Two-axis peers: torchtitan's layout, FSDP2 over a DTensor-TP model on a 2-D DeviceMesh (dp x tp=2).
+PEERS_2D = {"torch-fsdp2xtp": "FSDP2 fully_shard over DTensor TP (ColwiseParallel/RowwiseParallel), 2-D DeviceMesh"}
 
 
 def named(world: int) -> dict[str, StrategySpec]:
@@ -99,14 +102,28 @@ def layouts(world: int) -> dict[str, StrategySpec]:
             name = "x".join(f"{axis}{d}" for axis, d in (("dp", dp), ("tp", tp), ("pp", pp)) if d > 1)
             parts = [w for d, w in ((dp, "data parallel"), (tp, "tensor parallel"), (pp, "1F1B pipeline")) if d > 1]
             out[name] = StrategySpec(name, dp=dp, tp=tp, pp=pp, note=" × ".join(parts))
+            if dp > 1:
+                for stage in (1, 2, 3):
+                    what = " × ".join(parts[1:] + [f"ZeRO-{stage}"])
+                    zname = f"{name}-zero{stage}"
+                    out[zname] = StrategySpec(zname, dp=dp, tp=tp, pp=pp, zero=stage,
+                                              note=f"pyparallel.parallelize(zero_stage={stage}): {what}")
     # dp×tp, dp×pp, tp×pp, then three axes; by degrees within each
     order = sorted(out.values(), key=lambda s: (s.dp > 1 and s.tp > 1 and s.pp > 1, s.dp == 1, s.pp > 1,
-                                                 -s.dp, -s.tp))
+                                                 -s.dp, -s.tp, s.zero))
     return {s.name: s for s in order}
 
 
+def _peers_2d(world: int) -> dict[str, StrategySpec]:
+    if world < 4 or world % 2:
+        return {}
+    ours = f"dp{world // 2}xtp2-zero3"
+    return {name: StrategySpec(name, dp=world // 2, tp=2, zero=3, peer_of=ours, note=what)
+            for name, what in PEERS_2D.items()}
+
+
 def known(world: int) -> dict[str, StrategySpec]:
-    return {**named(world), **layouts(world)}
+    return {**named(world), **layouts(world), **_peers_2d(world)}
 
 
 def default_names(world: int) -> list[str]:
@@ -114,11 +131,14 @@ def default_names(world: int) -> list[str]:
     if world == 1:
         return ["single"]
     base = ["single", "ddp", "zero1", "zero2", "zero3", "zero3-offload", "tp", "pp-1f1b"]
-    return base + list(layouts(world))
+    # Each layout with plain DP on its dp axis, and the two-axis layouts with ZeRO-3 there.
+    extra = [n for n, s in layouts(world).items()
+             if s.zero == 0 or (s.zero == 3 and (s.tp > 1) + (s.pp > 1) == 1)]
+    return base + extra
 
 
 def peer_names(world: int) -> list[str]:
-    return list(PEERS) if world >= 2 else []
+    return (list(PEERS) + list(_peers_2d(world))) if world >= 2 else []
 
 
 def parse(text: str | None, world: int, peers: bool = False) -> list[StrategySpec]:

@@ -11,74 +11,15 @@ see no loss (the stages of PyTorch's pipeline before the last).
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 
 import torch
 
+from pyparallel.bench import peers
+from pyparallel.bench.adapter import Adapter, Hyper, adamw, dp_rows, library_model_states
 from pyparallel.bench.measure import count_model_states
 from pyparallel.bench.specs import StrategySpec
-from pyparallel.models.gpt import GPT
 
-
-@dataclass(frozen=True)
-class Hyper:
-    """What every strategy trains with (AdamW, Loshchilov & Hutter 2019)."""
-
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    seed: int = 0
-
-
-def adamw(params, hp: Hyper) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay)
-
-
-def dp_rows(x: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
-    """This data-parallel replica's contiguous share of the global batch."""
-    local = x.shape[0] // dp
-    return x[dp_rank * local:(dp_rank + 1) * local]
-
-
-def library_model_states(model, optimizer, dev: torch.device) -> dict | None:
-    """``pyparallel.memory.model_state_bytes(model, optimizer)`` when that module exists, else None.
-
-    ``total`` is the model states (params, grads, optimizer state, fp32 master), not ZeRO's transient
-    buffers (kept under ``parts``); on a CPU run the master and optimizer state ZeRO-Offload keeps in host
-    memory are added, since there host memory is the memory measured."""
-    try:
-        memory = importlib.import_module("pyparallel.memory")
-    except ImportError:
-        return None
-    raw = memory.model_state_bytes(model, optimizer)
-    host = raw.get("cpu") or {}
-    offloaded = int(host.get("master", 0)) + int(host.get("optimizer", 0))
-    total = int(raw["model_states"]) + (offloaded if dev.type == "cpu" else 0)
-    return {"total": total, "offloaded": offloaded, "parts": raw}
-
-
-class Adapter:
-    """Base: a built strategy on one rank."""
-
-    def __init__(self, spec: StrategySpec, mesh, cfg, hp: Hyper, microbatches: int):
-        self.spec, self.mesh, self.cfg, self.hp, self.m = spec, mesh, cfg, hp, microbatches
-        self.dev = mesh.device
-
-    def new_model(self) -> GPT:
-        return GPT(self.cfg, seed=self.hp.seed).to(self.dev)
-
-    def step(self, idx: torch.Tensor, tgt: torch.Tensor) -> float | None:
-        raise NotImplementedError
-
-    def model_states(self) -> dict:
-        """This rank's model-state bytes: ``{"total", ...parts}``."""
-        raise NotImplementedError
-
-    def stats(self) -> dict:
-        """Extra measurements (the pipeline's bubble); called on every rank after the last step."""
-        return {}
-
-    def timing_starts(self) -> None:
-        """Called before the first timed step (after the warm-up steps)."""
+__all__ = ["Adapter", "Hyper", "adamw", "build", "dp_rows", "unavailable"]
 
 
 class Single(Adapter):
@@ -205,6 +146,39 @@ class Pipeline(Adapter):
         return {"bubble_fraction": st["bubble_measured"], "bubble_theory": st["bubble_theory"]}
 
 
+class Parallel(Adapter):
+    """``pyparallel.parallelize``: a ZeRO stage on the dp axis of a layout with tp and/or pp (the one
+    sharded engine over each pipeline stage's tensor-parallel shards)."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        import pyparallel
+
+        v = self.spec.virtual if self.spec.schedule == "interleaved" else 1
+        self.pm = pyparallel.parallelize(self.new_model(), self.mesh, zero_stage=self.spec.zero,
+                                         num_microbatches=self.m, schedule=self.spec.schedule, virtual_stages=v,
+                                         optimizer=torch.optim.AdamW, lr=self.hp.lr,
+                                         weight_decay=self.hp.weight_decay)
+        self.opt = self.pm.optimizer
+
+    def step(self, idx, tgt):
+        idx, tgt = (dp_rows(t, self.mesh.dp, self.mesh.dp_rank) for t in (idx, tgt))
+        return float(self.pm.step(idx, tgt))  # the mean over the whole global batch, on every rank
+
+    def timing_starts(self):
+        if self.mesh.pp > 1:
+            self.pm.pipe.reset_stats()
+
+    def model_states(self):
+        return library_model_states(self.pm, self.opt, self.dev)
+
+    def stats(self):
+        if self.mesh.pp == 1:
+            return {}
+        st = self.pm.stats()
+        return {"bubble_fraction": st["bubble_measured"], "bubble_theory": st["bubble_theory"]}
+
+
 _MODULES = {"zero": "pyparallel.zero", "offload": "pyparallel.zero.offload",
             "tp": "pyparallel.tensor_parallel", "pp": "pyparallel.pipeline_parallel",
             "memory": "pyparallel.memory"}
@@ -224,8 +198,6 @@ def _needs(spec: StrategySpec) -> list[str]:
 def unavailable(spec: StrategySpec) -> str | None:
     """Why this install of pyparallel cannot run ``spec`` (a module missing from it), or None."""
     if spec.is_peer:
-        from pyparallel.bench import peers
-
         return peers.unavailable(spec)
     for key in _needs(spec):
         try:
@@ -238,18 +210,14 @@ def unavailable(spec: StrategySpec) -> str | None:
 def build(spec: StrategySpec, mesh, cfg, hp: Hyper, microbatches: int) -> Adapter:
     args = (spec, mesh, cfg, hp, microbatches)
     if spec.is_peer:
-        from pyparallel.bench import peers
-
         return peers.build(*args)
     if spec.world == 1:
         return Single(*args)
+    if spec.zero and (spec.tp > 1 or spec.pp > 1):
+        return Parallel(*args)
     if spec.pp > 1:
-        if spec.zero:
-            raise ValueError(f"{spec.name}: ZeRO with pipeline parallelism is not benchmarked")
         return Pipeline(*args)
     if spec.zero:
-        if spec.tp > 1:
-            raise ValueError(f"{spec.name}: ZeRO with tensor parallelism is not benchmarked")
         return Zero(*args)
     if spec.tp > 1:
         return TensorParallel(*args)
