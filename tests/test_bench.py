@@ -60,6 +60,15 @@ def test_pytorch_peers_run_and_match_the_reference(tmp_path):
     assert status == 0
 
 
+def test_zero3_layouts_and_the_2d_torch_peer_match_the_reference(tmp_path):
+    status, _, data = _bench(tmp_path, "--nprocs", "4", "--strategies", "dp2xtp2-zero3,torch-fsdp2xtp,dp2xpp2-zero3",
+                             "--warmup", "1", "--steps", "1")
+    rows = _all_match(data)
+    assert set(rows) == {"dp2xtp2-zero3", "torch-fsdp2xtp", "dp2xpp2-zero3"}
+    assert {k for r in rows["dp2xtp2-zero3"]["ranks"] for k in r["comm_bytes_by_axis"]} >= {"dp", "tp"}
+    assert status == 0
+
+
 def test_four_process_layouts_match_the_reference(tmp_path):
     status, _, data = _bench(tmp_path, "--nprocs", "4", "--strategies", "dp2xtp2,dp2xpp2,tp2xpp2")
     rows = _all_match(data)
@@ -124,13 +133,17 @@ def test_strategy_that_does_not_fit_the_model_exits_2(capsys):
 
 
 def test_names_and_layouts():
-    assert list(S.layouts(4)) == ["dp2xtp2", "dp2xpp2", "tp2xpp2"]
+    assert [n for n, s in S.layouts(4).items() if s.zero == 0] == ["dp2xtp2", "dp2xpp2", "tp2xpp2"]
+    assert {n for n, s in S.layouts(4).items() if s.zero} == {f"dp2x{a}2-zero{k}" for a in ("tp", "pp")
+                                                            for k in (1, 2, 3)}
     assert "dp2xtp2xpp2" in S.layouts(8)
     assert S.layouts(2) == {}
     four = S.known(4)
     assert (four["dp2xtp2"].dp, four["dp2xtp2"].tp, four["dp2xtp2"].pp) == (2, 2, 1)
     assert four["zero3-offload"].offload and four["zero3-offload"].dp == 4
-    assert S.default_names(4)[-3:] == ["dp2xtp2", "dp2xpp2", "tp2xpp2"]
+    assert S.default_names(4)[-5:] == ["dp2xtp2", "dp2xtp2-zero3", "dp2xpp2", "dp2xpp2-zero3", "tp2xpp2"]
+    z3 = four["dp2xtp2-zero3"]
+    assert (z3.dp, z3.tp, z3.zero) == (2, 2, 3) and four["torch-fsdp2xtp"].peer_of == "dp2xtp2-zero3"
     assert [s.name for s in S.parse("ddp,single,ddp", 2)] == ["ddp", "single"]
 
 
