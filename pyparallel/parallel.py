@@ -207,7 +207,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
     # torch's own implementation choices (foreach/fused/...) are respected when given.
     fuse = not any(k in kwargs for k in ("foreach", "fused", "capturable", "differentiable"))
     cfg = EngineConfig(stage=zero_stage, compute_dtype=compute, reduce_dtype=reduce, master_dtype=master,
-                       accum_dtype=reduce, reduce_op="sum", overlap=False, gather_per_step=zero_stage == 3,
+                       accum_dtype=reduce, reduce_op="sum", overlap=True, gather_per_step=zero_stage == 3,
                        offload=offload_optimizer, fuse=fuse, clip_grad_norm=clip_grad_norm, nonfinite=nonfinite)
     engine = ShardEngine(named, layouts, cfg, group=mesh.dp_group, check_group=mesh.world_group, device=mesh.device,
                          optimizer_cls=optimizer, defaults=kwargs, options=options, group_of=group_of,
@@ -231,7 +231,10 @@ class ParallelModel:
     def __init__(self, module, mesh, pipe: StagePipeline, engine: ShardEngine, policy, buffer_names):
         self.module, self.mesh, self.pipe, self.engine, self.policy = module, mesh, pipe, engine, policy
         self._buffer_names = buffer_names
-        engine.sync = False  # gradients accumulate over the micro-batches; the step reduces them
+        # With one micro-batch and one stage, backward is the last of the step: reduce-scatter each bucket
+        # as soon as it is complete (stages 1 and 3). Otherwise the micro-batches accumulate and the step
+        # reduces once.
+        engine.sync = mesh.pp == 1 and pipe.num_microbatches == 1
         self.optimizer = ShardOptimizer(engine)
 
     # ----------------------------------------------------------------------------------- training

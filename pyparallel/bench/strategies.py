@@ -155,8 +155,9 @@ class Parallel(Adapter):
         import pyparallel
 
         v = self.spec.virtual if self.spec.schedule == "interleaved" else 1
-        self.pm = pyparallel.parallelize(self.new_model(), self.mesh, zero_stage=self.spec.zero,
-                                         num_microbatches=self.m, schedule=self.spec.schedule, virtual_stages=v,
+        m = self.m if self.mesh.pp > 1 else 1  # micro-batches are a pipeline's; dp x tp steps whole batches
+        self.pm = pyparallel.parallelize(self.new_model(), self.mesh, zero_stage=self.spec.zero, num_microbatches=m,
+                                         schedule=self.spec.schedule, virtual_stages=v,
                                          optimizer=torch.optim.AdamW, lr=self.hp.lr,
                                          weight_decay=self.hp.weight_decay)
         self.opt = self.pm.optimizer

@@ -69,7 +69,7 @@ class EngineConfig:
     master_dtype: torch.dtype = torch.float32
     accum_dtype: torch.dtype | None = None  # full-gradient buffers (stages 0/1/3-per-step); None: compute dtype
     reduce_op: str = "avg"
-    overlap: bool = True  # stage 1: reduce-scatter in backward, bucket by bucket (when ``sync``)
+    overlap: bool = True  # stages 1 and 3-per-step: reduce-scatter in backward, bucket by bucket (when ``sync``)
     gather_per_step: bool = False  # stage 3 under a pipeline
     offload: bool = False
     fuse: bool = True
@@ -259,7 +259,7 @@ class ShardEngine:
                 view.add_(p.grad)
                 p.grad = view if view.dtype == p.dtype else None
             self._pending_full = True
-            if not (self.stage == 1 and self.cfg.overlap and self.sync):
+            if not (self.stage in (1, 3) and self.cfg.overlap and self.sync):
                 return
         else:  # stage 2: into the bucket being filled, in the reduce dtype; the full gradient goes
             lay = self.layouts[g]
@@ -283,7 +283,7 @@ class ShardEngine:
 
     def _launch(self, g: int) -> None:
         target = self.space.slice(self.grad_shard, g)
-        if self.full_grad is not None:  # stage 1: this bucket's accumulated sum, overwriting the shard
+        if self.full_grad is not None:  # stages 1/3: this bucket's accumulated sum, overwriting the shard
             full = self._full_views[g]
             cast = full.dtype != self.reduce_dtype
             self.reducer.launch(full.to(self.reduce_dtype) if cast else full, target, accumulate=False, scratch=cast)
@@ -302,7 +302,7 @@ class ShardEngine:
             ready[:] = [True] * len(ready)
         self._launch_ready()
         self.reducer.drain()
-        if self.stage == 1:
+        if self.full_grad is not None and self.stage >= 1 and self.cfg.overlap and self.sync:
             self._pending_full = False
 
     # ---------------------------------------------------------------------------- stage 3 per step
