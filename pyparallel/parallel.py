@@ -243,8 +243,37 @@ class ParallelModel:
         """Forward and backward of one batch (gradients accumulate until ``optimizer.step()``)."""
         if inputs.is_floating_point() and inputs.dtype != self.engine.compute_dtype:
             inputs = inputs.to(self.engine.compute_dtype)
+        self._check_batch(inputs, targets)
         self.engine.begin_step()  # ZeRO-3: gather this stage's weights (once per step)
         return self.pipe.step(inputs, targets)
+
+    _MAX_DIMS = 6
+
+    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """The ranks of a TP group must step the same batch shape: their activation all-reduces would
+        otherwise differ in size, which gloo answers by aborting the process. One fixed-size all-gather of
+        the shapes (it cannot mismatch) turns that into a ValueError on every rank of the group."""
+        if self.mesh.tp == 1:
+            return
+        from pyparallel import comm
+
+        mine = torch.full((2, self._MAX_DIMS + 1), -1, dtype=torch.int64, device=self.mesh.device)
+        for row, t in enumerate((inputs, targets)):
+            dims = list(t.shape)[:self._MAX_DIMS]
+            mine[row, 0] = t.dim()
+            mine[row, 1:1 + len(dims)] = torch.tensor(dims, dtype=torch.int64, device=mine.device)
+        group = self.mesh.tp_group
+        everyone = torch.empty((group.size, *mine.shape), dtype=torch.int64, device=mine.device)
+        comm.all_gather(everyone.view(-1), mine.view(-1), group)
+        if not bool((everyone == mine).all()):
+            def shapes(k):
+                return [tuple(int(d) for d in everyone[k, r, 1:1 + int(everyone[k, r, 0])]) for r in range(2)]
+
+            seen = "; ".join(f"rank {group.ranks[k]}: inputs {shapes(k)[0]}, targets {shapes(k)[1]}"
+                             for k in range(group.size))
+            raise ValueError(f"the tensor-parallel ranks of one replica must step the same batch, but they got "
+                             f"different shapes ({seen}); give every TP rank of a data-parallel replica the same "
+                             f"rows (model.batch_slice(global_batch))")
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward, backward and optimizer step; returns the global mean loss (same on every rank)."""

@@ -230,6 +230,21 @@ def test_model_mismatch_is_a_value_error_on_every_rank(degrees):
     assert messages[0] == messages[1] and "rank 1" in messages[0]
 
 
+def batch_mismatch_body():
+    mesh = pyparallel.init(tp=2)
+    pm = pyparallel.parallelize(gpt(torch.float32), mesh, lr=LR)
+    idx, tgt = batches(1, BATCH)[0]
+    rows = 3 if mesh.tp_rank == 1 else 2  # this rank was handed another batch size
+    with pytest.raises(ValueError, match="must step the same batch") as info:
+        pm.step(idx[:rows], tgt[:rows])
+    return str(info.value)
+
+
+def test_tp_ranks_with_different_batches_get_a_value_error_not_an_abort():
+    messages = run(batch_mismatch_body, 2)
+    assert messages[0] == messages[1] and "(3, 12)" in messages[0] and "(2, 12)" in messages[0]
+
+
 def groups_errors_body():
     from pyparallel import comm
 
