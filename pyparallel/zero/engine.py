@@ -374,9 +374,10 @@ class ShardEngine:
         stats = torch.zeros(1 + self.n_groups, dtype=torch.float64, device=grad.device)
         if self.scaler is not None:
             stats[0] = float(DynamicLossScaler.local_overflow(grad))
-        if need_norm:
+        if need_norm:  # one dot product per counted range (no squared copy), summed in fp64
             for k, s, e in self._counted:
-                stats[1 + k] += grad[s:e].double().pow(2).sum()
+                part = grad[s:e]
+                stats[1 + k] += torch.dot(part, part).double()
         comm.all_reduce(stats, self.check_group, op="sum")
         found_inf = self.scaler is not None and float(stats[0]) > 0
         return found_inf, (stats[1:].cpu() if need_norm else None)
