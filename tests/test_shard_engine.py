@@ -182,6 +182,45 @@ def test_checkpoint_moves_between_zero3_and_other_layouts(tmp_path):
     run(reshard_body, 4, str(tmp_path / "ckpt"))
 
 
+def zero_setup_then_parallelize_body(tmp):
+    """zero.setup (fp64, two parameter groups, stages 1 and 2) for 3 steps -> save -> parallelize on dp2 x tp2
+    ZeRO-2 loads it (the fp64 optimizer state in the master's dtype) and continues as if uninterrupted."""
+    from pyparallel import checkpoint, comm
+
+    ref = reference(gpt)
+    for stage in (1, 2):
+        mesh = pyparallel.init(dp=4)
+        model = gpt()
+        zm, zopt = zero.setup(model, mesh, stage=stage, lr=LR, weight_decay=WD, param_groups=groups_of(model),
+                              bucket_cap_mb=0.01)
+        losses = []
+        share = BATCH // mesh.dp
+        rows = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
+        for idx, tgt in batches(3, BATCH):
+            loss = ce(zm(idx[rows]), tgt[rows])
+            loss.backward()
+            zopt.step()
+            zopt.zero_grad()
+            total = torch.tensor([loss.item()], dtype=torch.float64)
+            comm.all_reduce(total, mesh.dp_group, op="avg")
+            losses.append(float(total))
+        path = f"{tmp}-{stage}"
+        checkpoint.save(path, zm, zopt, step=3)
+        mesh2 = pyparallel.init(dp=2, tp=2)
+        model2 = gpt()
+        pm = pyparallel.parallelize(model2, mesh2, zero_stage=2, lr=0.5, weight_decay=WD,
+                                    param_groups=groups_of(model2))
+        checkpoint.load(path, pm, pm.optimizer)
+        state = next(iter(pm.optimizer.state.values()))
+        assert state["exp_avg"].dtype == torch.float64
+        compare(pm, ref, losses + train(pm, start=3))
+    return True
+
+
+def test_zero_setup_checkpoint_continues_under_parallelize(tmp_path):
+    run(zero_setup_then_parallelize_body, 4, str(tmp_path / "ckpt"))
+
+
 def fp16_scaler_body(tmp):
     """zero.setup under fp16: an overflow halves the scale; save/load brings back the scale and counts."""
     from pyparallel import checkpoint

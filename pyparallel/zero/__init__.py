@@ -115,7 +115,8 @@ def setup(module: nn.Module, mesh: ParallelMesh, stage: int = 1, optimizer=torch
         param_dtype: compute dtype (torch.bfloat16 / torch.float16) with fp32 master weights in the
             shards; None keeps the module's dtype (then no separate master copy is kept).
             fp16 turns on dynamic loss scaling (``loss_scaler``).
-        reduce_dtype: dtype of gradient reductions and gradient shards (fp32 by default).
+        reduce_dtype: dtype of gradient reductions and gradient shards (fp32 by default; an fp64 model
+            reduces in fp64).
         bucket_cap_mb: bucket size for stages 1-2 (MiB of compute-dtype weights).
         clip_grad_norm: clip by the global gradient norm across all shards (None: no clipping).
         offload_optimizer: keep master weights and optimizer state on the host
@@ -160,7 +161,9 @@ def setup(module: nn.Module, mesh: ParallelMesh, stage: int = 1, optimizer=torch
         elem = torch.empty((), dtype=compute).element_size()
         layouts = groups_mod.grouped_buckets([(n, p) for n, p in named if p.requires_grad],
                                              max(1, int(bucket_cap_mb * 2**20)), group.size, elem, group_of, n_groups)
-    cfg = EngineConfig(stage=stage, compute_dtype=compute, reduce_dtype=policy.reduce_dtype, master_dtype=master,
+    # An fp64 model reduces in fp64, as under parallelize (an fp32 reduction would round its gradients).
+    reduce = torch.float64 if module_dtype == torch.float64 else policy.reduce_dtype
+    cfg = EngineConfig(stage=stage, compute_dtype=compute, reduce_dtype=reduce, master_dtype=master,
                        accum_dtype=compute, reduce_op="avg", offload=offload_optimizer,
                        fuse=not any(k in kwargs for k in ("foreach", "fused", "capturable", "differentiable")),
                        clip_grad_norm=clip_grad_norm, nonfinite=nonfinite)
