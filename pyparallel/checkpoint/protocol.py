@@ -3,7 +3,7 @@
 One protocol: a wrapper that knows its shards describes them itself (``checkpoint_pieces()`` /
 ``load_checkpoint_pieces(reader, manifest)``: the models and optimizers of ``pyparallel.zero.setup`` and
 ``pyparallel.parallelize``, through zero/pieces.py). Every other module (plain, DataParallel,
-tensor-parallelized, a PipelineParallel stage) and torch optimizer is described by combined/modules.py.
+tensor-parallelized, a PipelineParallel stage) and torch optimizer is described by checkpoint/modules.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _module_pieces(model) -> list[tuple[Piece, torch.Tensor]]:
     provider = getattr(model, "checkpoint_pieces", None)
     if provider is not None:
         return provider()
-    from pyparallel.combined import modules
+    from pyparallel.checkpoint import modules
 
     return modules.module_pieces(model)
 
@@ -30,7 +30,7 @@ def _optimizer_pieces(model, optimizer) -> list[tuple[Piece, torch.Tensor]]:
     provider = getattr(optimizer, "checkpoint_pieces", None)
     if provider is not None:
         return provider()
-    from pyparallel.combined import modules
+    from pyparallel.checkpoint import modules
 
     return modules.optimizer_pieces(model, optimizer)
 
@@ -39,7 +39,7 @@ def _load_model(model, reader) -> None:
     loader = getattr(model, "load_checkpoint_pieces", None)
     if loader is not None:
         return loader(reader, None)
-    from pyparallel.combined import modules
+    from pyparallel.checkpoint import modules
 
     return modules.load_module(model, reader)
 
@@ -48,7 +48,7 @@ def _load_optimizer(model, optimizer, reader, manifest) -> None:
     loader = getattr(optimizer, "load_checkpoint_pieces", None)
     if loader is not None:
         return loader(reader, manifest)
-    from pyparallel.combined import modules
+    from pyparallel.checkpoint import modules
 
     return modules.load_torch_optimizer(model, optimizer, reader, manifest)
 
