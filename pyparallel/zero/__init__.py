@@ -89,7 +89,7 @@ def _check_args(module, mesh, stage, bucket_cap_mb, clip_grad_norm, wrap_policy)
     dtypes = {p.dtype for p in trainable}
     if len(dtypes) != 1 or not trainable[0].is_floating_point():
         raise ValueError(f"trainable parameters must share one floating dtype, found {sorted(map(str, dtypes))}")
-    devices = {p.device for p in params}
+    devices = {p.device for p in params if not p.is_meta}  # meta: given storage by weights= or init
     if any(d.type != mesh.device.type for d in devices):
         raise ValueError(f"parameters live on {sorted(map(str, devices))} but the mesh computes on {mesh.device}; "
                          f"move the module with module.to(mesh.device) first")
@@ -99,7 +99,7 @@ def setup(module: nn.Module, mesh: ParallelMesh, stage: int = 1, optimizer=torch
           *, param_groups=None, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
           bucket_cap_mb: float = 25.0, clip_grad_norm: float | None = None, offload_optimizer: bool = False,
           wrap_policy=None, loss_scaler: DynamicLossScaler | None = None, nonfinite: str = "raise",
-          **optimizer_kwargs):
+          weights=None, init=None, **optimizer_kwargs):
     """Wrap ``module`` for ZeRO ``stage`` over ``mesh``'s data-parallel group; returns ``(model, optimizer)``.
 
     Args:
@@ -122,6 +122,11 @@ def setup(module: nn.Module, mesh: ParallelMesh, stage: int = 1, optimizer=torch
         offload_optimizer: keep master weights and optimizer state on the host
             (``pyparallel.zero.offload.OptimizerOffload``).
         wrap_policy: stage 3 only: which modules are gathered as units (see ``pyparallel.zero.wrap``).
+        weights: a safetensors file or Hugging Face checkpoint folder to load (names are the module's own);
+            each rank reads only its shards' pieces. The module may be built on the meta device.
+        init: for a module built on the meta device without ``weights``: ``init(name, module)`` initialises
+            one module's parameters in place (default: its ``reset_parameters()``; see
+            ``pyparallel.materialize``).
         nonfinite: a step whose gradients hold inf/NaN (fp32/bf16; fp16 skips them through the loss scaler):
             "raise" (default: ``NonFiniteGradientError`` naming the step and parameter group, nothing
             updated), "skip" (every rank skips the step) or "ignore" (apply it, no check).
@@ -145,10 +150,12 @@ def setup(module: nn.Module, mesh: ParallelMesh, stage: int = 1, optimizer=torch
         except ImportError as exc:
             raise ValueError(f"offload_optimizer=True needs pyparallel.zero.offload, which failed to import "
                              f"({exc}); pass offload_optimizer=False") from None
+    reader = _materialize(module, mesh.device, weights, init, stage)
     group = mesh.dp_group
     module_dtype = next(p.dtype for p in module.parameters() if p.requires_grad)
     check_same_parameters(list(module.named_parameters()), group, "ZeRO")  # the first collective
-    broadcast_tensors([p for p in module.parameters()] + list(module.buffers()), group)
+    if reader is None:  # rank 0's values everywhere; with weights every rank reads its own pieces
+        broadcast_tensors([p for p in module.parameters()] + list(module.buffers()), group)
     compute = policy.compute_dtype(module_dtype)
     master = torch.float64 if module_dtype == torch.float64 else torch.float32
     n_groups = len(options)
@@ -175,7 +182,34 @@ def setup(module: nn.Module, mesh: ParallelMesh, stage: int = 1, optimizer=torch
     if stage == 3:
         engine.gatherer = UnitGatherer(engine, module, specs, has_root)
     model = ZeroModule(module, engine, policy, mesh)
+    if reader is not None:
+        model.load_checkpoint_pieces(reader, {})
     return model, ShardOptimizer(engine)
+
+
+def _materialize(module, device, weights, init, stage: int):
+    """Before any collective: open and check ``weights`` against the module (ValueError naming the
+    tensors), or initialise a meta module. Returns the weights reader, or None. With weights, stage 3 keeps
+    the trainable parameters on meta (the engine allocates only this rank's shards); stages 1-2 hold whole
+    weights anyway and get their storage here."""
+    from pyparallel import materialize
+
+    if weights is not None:
+        if init is not None:
+            raise ValueError("pass weights= or init=, not both (init initialises a meta model that has no weights)")
+        from pyparallel.checkpoint.weights import expected_of, open_weights
+
+        reader = open_weights(weights, module)
+        materialize.rebuild_buffers(module, device, loadable=set(expected_of(module)[0]))
+        materialize.empty_like_meta([p for p in module.parameters() if not p.requires_grad], device)
+        if stage < 3:
+            materialize.empty_params(module, device)
+        return reader
+    if materialize.has_meta(module):
+        materialize.initialize(module, device, init)
+    elif init is not None:
+        raise ValueError("init= only applies to a model built on the meta device (this one has real tensors)")
+    return None
 
 
 def _units(module, wrap_policy, group_of, n_groups):

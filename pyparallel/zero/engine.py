@@ -130,23 +130,27 @@ class ShardEngine:
     def _build_weights(self) -> None:
         """Flat compute buffers whose views the parameters become (not for per-unit stage 3: the gatherer
         binds its own), and the master: either the weights themselves or a tensor of its own."""
-        full = [lay.flatten(lay.params, self.master_dtype, self.device) for lay in self.layouts]
         self.master = None  # a shard-space tensor when the master is not the weights themselves
         self._compute = None  # stage 0: the one buffer every flat group is a view of
-        if self.stage == 3:
-            self.master = self.space.new(self.master_dtype, self.device, zero=False)
+        if self.stage == 3:  # one group's full copy at a time: the peak is one unit, never the model
+            self.master = self.space.new(self.master_dtype, self.device)
             for g, lay in enumerate(self.layouts):
-                a, b = lay.shard_range(self.rank)
-                self.space.slice(self.master, g).copy_(full[g][a:b])
+                if not any(p.is_meta for p in lay.params):  # meta: a loader fills the shards next
+                    a, b = lay.shard_range(self.rank)
+                    self.space.slice(self.master, g).copy_(lay.flatten(lay.params, self.master_dtype,
+                                                                       self.device)[a:b])
             self.flats = [torch.empty(lay.padded, dtype=self.compute_dtype, device=self.device)
                           for lay in self.layouts] if self.cfg.gather_per_step else []
-        elif self.stage == 0:  # world 1: the shard space is the concatenation of the full groups
+            full = []
+        else:
+            full = [lay.flatten(lay.params, self.master_dtype, self.device) for lay in self.layouts]
+        if self.stage == 0:  # world 1: the shard space is the concatenation of the full groups
             whole = torch.cat(full) if len(full) > 1 else full[0]
             if not self.master_in_params:
                 self.master = whole
             self._compute = whole if self.master is None else whole.to(self.compute_dtype)
             self.flats = list(self._compute.split([lay.padded for lay in self.layouts]))
-        else:
+        elif self.stage in (1, 2):
             if not self.master_in_params:
                 self.master = self.space.new(self.master_dtype, self.device, zero=False)
                 for g, lay in enumerate(self.layouts):

@@ -86,7 +86,9 @@ class FlatLayout:
         flat = torch.empty(self.padded, dtype=dtype, device=device)
         if self.padding:
             flat[self.numel :].zero_()
-        if tensors:
+        if any(t.is_meta for t in tensors):  # a meta model: the loader fills the shards next
+            flat.zero_()
+        elif tensors:
             _ops.flatten_into([t.detach() for t in tensors], flat)
         return flat
 
