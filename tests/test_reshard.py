@@ -4,6 +4,7 @@ in one process (the plain model and torch.optim.AdamW), the weights and optimize
 losses of an uninterrupted run. float64 for the continued losses, for the reason test_combined.py gives
 (other layouts sum in other orders; Adam amplifies the last bits of tiny gradients)."""
 
+import pytest
 import torch
 from dist import run
 from models import TINY, batches
@@ -194,3 +195,44 @@ def test_each_strategy_on_its_own_saves_and_loads_pieces(tmp_path):
         checkpoint.load(str(tmp_path / name), model, opt)
         checkpoint.save(str(tmp_path / f"{name}-single"), model, opt, step=2)
         same_checkpoints(str(tmp_path / name), str(tmp_path / f"{name}-single"))
+
+
+def pipeline_hf_body(root, kind):
+    """PipelineParallel on a Hugging Face model names its checkpoint tensors by the model's own names:
+    full_state_dict, a plain-model load and an export that from_pretrained reads with no missing keys."""
+    from models import hf_model
+
+    from pyparallel.pipeline_parallel import PipelineParallel
+
+    mesh = pyparallel.init(pp=2)
+    pipe = PipelineParallel(hf_model(kind), mesh, num_microbatches=2)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    for idx, tgt in batches(2, BATCH):
+        pipe.step(idx, tgt)
+        opt.step()
+        opt.zero_grad()
+    full = pipe.full_state_dict()
+    checkpoint.save(root, pipe, opt, step=2, mesh=mesh)
+    plain = hf_model(kind, seed=7)
+    checkpoint.load(root, plain)  # by the plain model's own names
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach(), full[name]), name
+    return sorted(full)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_pipeline_checkpoints_use_the_model_names(tmp_path, kind):
+    import transformers
+    from models import hf_model
+
+    root = str(tmp_path / "ckpt")
+    names = run(pipeline_hf_body, 2, root, kind)[0]
+    model = hf_model(kind)
+    assert names == sorted(n for n, _ in model.named_parameters())
+    out = tmp_path / "hf"
+    out.mkdir()
+    checkpoint.export_consolidated(root, str(out / "model.safetensors"))
+    model.config.save_pretrained(str(out))
+    cls = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.AutoModelForCausalLM
+    loaded, info = cls.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

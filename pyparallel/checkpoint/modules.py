@@ -24,10 +24,14 @@ def _inner(model):
     return getattr(model, "module", model)  # DataParallel and friends wrap a whole replica
 
 
-def _pipeline_name(pipe, name: str) -> str:
-    """``chunk3.blocks.1.attn.q_proj.weight`` -> the name of that parameter of global block k."""
+def _pipeline_name(pipe, name: str, tensor) -> str:
+    """``chunk3.blocks.1.attn.q_proj.weight`` -> the unparallelised model's name of that tensor (recorded
+    when the model was split into blocks), else that of the parameter of global block k."""
     m = re.match(r"chunk(\d+)\.blocks\.(\d+)\.(.*)", name)
     c, i, rest = int(m.group(1)), int(m.group(2)), m.group(3)
+    own = getattr(pipe.chunks[c].blocks[i], "_pyparallel_names", {}).get(id(tensor))
+    if own is not None:
+        return own
     k = pipe.chunks[c].first_block + i
     from pyparallel.models.gpt import Block, Embedding, Head
 
@@ -45,8 +49,8 @@ def describe_model(model):
 
     if isinstance(model, PipelineParallel):
         tied = {id(p): tuple(sorted(model.mesh.coords_of(r).pp for r in g.ranks)) for p, g in model._tied}
-        named = [(_pipeline_name(model, n), p) for n, p in model.named_parameters()]
-        buffers = [(_pipeline_name(model, n), b) for c, ch in sorted(model.chunks.items())
+        named = [(_pipeline_name(model, n, p), p) for n, p in model.named_parameters()]
+        buffers = [(_pipeline_name(model, n, b), b) for c, ch in sorted(model.chunks.items())
                    for n, b in ch.named_buffers(prefix=f"chunk{c}")]
         mesh, owners, t, r = model.mesh, {}, 1, 0
     else:

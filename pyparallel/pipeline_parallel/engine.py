@@ -108,6 +108,15 @@ class PipelineParallel:
         for chunk in self.chunks.values():
             chunk.zero_grad(set_to_none=set_to_none)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter at full size under the unparallelised model's names, on every rank (a collective
+        over the world; it moves the whole model: for small models, tests and exports)."""
+        from pyparallel.checkpoint import gather_full, modules
+
+        infos, *_ = modules.describe_model(self)
+        mine = {"model/" + info.name for info, _ in infos}  # this rank's parameters (buffers left out)
+        return gather_full([pc for pc in modules.module_pieces(self) if pc[0].name in mine], self.mesh.world_group)
+
     def train(self, mode: bool = True):
         for chunk in self.chunks.values():
             chunk.train(mode)

@@ -37,6 +37,16 @@ def default_count(targets: torch.Tensor) -> int:
 
 def to_blocks(model) -> tuple[list[nn.Module], Callable | None]:
     """``(blocks, default_loss_fn)`` for a supported model (see the module docstring)."""
+    blocks, loss = _blocks(model)
+    if isinstance(model, nn.Module) and not isinstance(model, (nn.Sequential, nn.ModuleList)):
+        # The model's own names of every tensor, so that checkpoints of a stage use them (not block names).
+        names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        for b in blocks:
+            b.__dict__["_pyparallel_names"] = names
+    return blocks, loss
+
+
+def _blocks(model) -> tuple[list[nn.Module], Callable | None]:
     from pyparallel.models.gpt import GPT
 
     if isinstance(model, GPT):
