@@ -250,7 +250,7 @@ def padding_body(tmp):
     if pad:
         assert not head.weight[-pad:].any()
     assert model(input_ids=_ids(50257, 9)).logits.shape[-1] == 50257
-    checkpoint.save(tmp, model, opt, step=2)
+    checkpoint.save(tmp, model, opt, step=2, mesh=mesh)
     full = {n: p.detach().clone() for n, p in full_parameters(model).items()}
     plain = hf_model("gpt2", seed=1, **cfg)
     checkpoint.load(tmp, plain)
