@@ -85,11 +85,11 @@ def table_2_prediction(row):
 
 
 def free_search_prediction(row):
-    """The fastest layout the paper's system could run (DP × TP × PP without optimizer sharding, its
-    techniques), found by the planner's search."""
+    """The fastest layout among those the paper measured or could run: DP × TP × PP (Megatron-LM 2021 had
+    no optimizer sharding) and ZeRO-3 (its table 2), with its techniques, found by the planner's search."""
     params, heads, hidden, layers, _, _, gpus, batch, _ = row
     model = megatron_model(f"{params}B", layers, hidden, heads)
-    result = plan(model, _paper_train(batch), A100, SearchOptions(gpus=gpus, zero_stages=(0,), offload="off"))
+    result = plan(model, _paper_train(batch), A100, SearchOptions(gpus=gpus, zero_stages=(0, 3), offload="off"))
     return paper_tflops(result.best, model, batch, gpus), result.best
 
 
@@ -115,20 +115,21 @@ def test_megatron_table_2_order_and_15_percent():
     assert z175[0] > z175[1] > z175[2]
 
 
-# Rows where the search finds a layout the planner rates faster than the paper's own by more than the
-# 5% the issue allows: TP 2-4 × PP 4 instead of TP 8 for the 18.4B and 39.1B models. The paper did not
-# measure those layouts (its figure 13 compares TP × PP at 64 GPUs; there the planner agrees that TP 8 ×
-# PP 8 wins, see test_megatron_figure_13_tp8_pp8_wins). Reported in docs/planner.md.
-FREE_SEARCH_OVER_5 = {18.4, 39.1}
+# The row where the search finds a layout the planner rates faster than the paper's measurement by more
+# than the 5% the issue allows (+5.5%): TP 4 × PP 4 × DP 32 instead of TP 8 × PP 2 for the 39.1B model. The
+# paper did not measure that layout (its figure 13 compares TP × PP at 64 GPUs, where the planner agrees
+# that TP 8 × PP 8 wins: test_megatron_figure_13_tp8_pp8_wins). Reported in docs/planner.md.
+FREE_SEARCH_OVER_5 = {39.1}
 
 
 @pytest.mark.parametrize("row", MEGATRON_TABLE_1, ids=[f"{r[0]}B" for r in MEGATRON_TABLE_1])
 def test_megatron_free_search(row):
     predicted, best = free_search_prediction(row)
     assert best.fits
-    # Never a layout the paper measured slower: no ZeRO-3-only, no tensor parallelism across nodes.
-    assert best.tp <= 8 and best.zero_stage == 0
-    bound = 1.10 if row[0] in FREE_SEARCH_OVER_5 else 1.05
+    # Never a layout the paper measured slower: not ZeRO-3 without model parallelism (table 2), no tensor
+    # parallelism across nodes (figure 13).
+    assert best.tp <= 8 and not (best.zero_stage == 3 and best.tp == best.pp == 1)
+    bound = 1.06 if row[0] in FREE_SEARCH_OVER_5 else 1.05
     assert predicted <= row[-1] * bound
 
 
