@@ -152,7 +152,9 @@ class PipelineParallel:
             for tp in range(mesh.tp):
                 for a, b in sorted(edges):
                     ranks = [mesh.rank_of(dp, tp, a), mesh.rank_of(dp, tp, b)]
-                    g = comm.new_group(ranks, "pp", mesh.timeout_s, mesh.backend)
+                    g = comm.new_group(ranks, "pp", mesh.timeout_s, mesh.backend,
+                                       label=f"stage {a} to stage {b}: global rank {ranks[0]} sends to "
+                                             f"global rank {ranks[1]}")
                     if g is not None:
                         mine[(a, b)] = g
         ping = torch.zeros(1, device=mesh.device)
