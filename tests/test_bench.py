@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pyparallel import cli
-from pyparallel.bench import measure, predict, results
+from pyparallel.bench import deepspeed_peers, measure, predict, results
 from pyparallel.bench import specs as S
 from pyparallel.models.gpt import GPT, gpt_config
 from pyparallel.planner import model_state_bytes
@@ -51,7 +51,9 @@ def test_pytorch_peers_run_and_match_the_reference(tmp_path):
     status, _, data = _bench(tmp_path, "--strategies", "single,ddp", "--peers", "--warmup", "1", "--steps", "1")
     rows = _all_match(data)
     assert all(r["peak_bytes"] > 0 and r["model_state_bytes"] > 0 for r in rows.values())
-    assert list(rows) == ["single", "ddp", *S.PEERS]
+    # --peers adds DeepSpeed's rows whenever deepspeed imports (tests/test_bench_deepspeed.py checks them).
+    deepspeed = [] if deepspeed_peers.unavailable() else list(S.DEEPSPEED_PEERS)
+    assert list(rows) == ["single", "ddp", *S.PEERS, *deepspeed]
     assert rows["torch-ddp"]["ratio"] == pytest.approx(rows["ddp"]["step_time_s"] / rows["torch-ddp"]["step_time_s"])
     assert rows["ddp"]["ratio"] == rows["torch-ddp"]["ratio"] and rows["ddp"]["peer"] == "torch-ddp"
     assert rows["torch-fsdp2"]["ratio"] is None  # its counterpart, zero3, did not run
@@ -153,7 +155,7 @@ def test_peers_are_timed_alternating_with_our_strategy():
     groups = [[s.name for s in g] for g in timing_groups(S.parse("single,ddp,zero3,torch-zero1", 2, peers=False))]
     assert groups == [["single"], ["ddp"], ["zero3"], ["torch-zero1"]]  # zero1 not asked for: alone
     groups = [[s.name for s in g] for g in timing_groups(S.parse("ddp,zero3", 2, peers=True))]
-    assert groups[:2] == [["ddp", "torch-ddp"], ["zero3", "torch-fsdp2"]]
+    assert groups[:2] == [["ddp", "torch-ddp"], ["zero3", "torch-fsdp2", "deepspeed-zero3"]]
     assert sum(len(g) for g in groups) == len(S.parse("ddp,zero3", 2, peers=True))  # every spec exactly once
 
 

@@ -5,7 +5,8 @@ These rows are what a user would pick instead of pyparallel: ``torch.nn.parallel
 (ZeRO-3; ``reshard_after_forward=False`` is ZeRO-2 style), DTensor tensor parallelism with
 ``ColwiseParallel``/``RowwiseParallel`` (the Megatron split) and ``torch.distributed.pipelining`` with
 ``Schedule1F1B``. They run on the process groups of a pyparallel mesh. PyTorch's wrappers issue their own
-collectives, which ``pyparallel.comm`` does not see: peer rows have no measured traffic. The one
+collectives, which ``pyparallel.comm`` does not see: their rows have no measured traffic (DeepSpeed's,
+in bench/deepspeed_peers.py, do: its comms logger counts them). The one
 collective the bench itself needs here (summing the tied embedding's gradient between the first and
 last pipeline stage) goes through ``pyparallel.comm``.
 """
@@ -19,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pyparallel import comm
+from pyparallel.bench import deepspeed_peers
 from pyparallel.bench.adapter import Adapter, adamw, dp_rows
 from pyparallel.bench.measure import count_model_states
 
@@ -34,6 +36,8 @@ _NEEDS = {
 
 
 def unavailable(spec) -> str | None:
+    if spec.name in deepspeed_peers.ROWS:
+        return deepspeed_peers.unavailable()
     for module in _NEEDS.get(spec.name, []):
         try:
             importlib.import_module(module)
@@ -240,4 +244,6 @@ PEERS = {"torch-ddp": TorchDDP, "torch-zero1": TorchZero1, "torch-fsdp2": TorchF
 
 
 def build(spec, mesh, cfg, hp, microbatches) -> Adapter:
+    if spec.name in deepspeed_peers.ROWS:
+        return deepspeed_peers.build(spec, mesh, cfg, hp, microbatches)
     return PEERS[spec.name](spec, mesh, cfg, hp, microbatches)

@@ -78,7 +78,8 @@ def build_row(spec, records, config, reference, on_cpu) -> dict:
         "predicted_model_state_bytes": max(p["model_state_bytes"] for p in preds),
         "peak_bytes": None if any(p is None for p in peaks) else max(peaks),
         "predicted_peak_bytes": max(p["peak_bytes"] for p in preds),
-        "comm_bytes_per_step": None if spec.is_peer else max(statistics.median(r["wire_bytes"]) for r in records),
+        "comm_bytes_per_step": _peer_traffic(records) if spec.is_peer else
+        max(statistics.median(r["wire_bytes"]) for r in records),
         "theory_comm_bytes_per_step": max(p["comm_bytes_per_step"] for p in preds),
         "bubble_fraction": max(bubbles) if bubbles else None,
         "predicted_bubble_fraction": preds[0]["bubble_fraction"] if spec.pp > 1 else None,
@@ -94,6 +95,13 @@ def build_row(spec, records, config, reference, on_cpu) -> dict:
         flags.append("peak")
     row["flags"] = flags
     return row
+
+
+def _peer_traffic(records) -> float | None:
+    """A peer's bytes sent per step where it logs its own collectives (DeepSpeed's comms logger, see
+    bench/deepspeed_peers.py); None for PyTorch's wrappers, whose collectives pyparallel.comm cannot see."""
+    got = [r["stats"].get("comm_bytes_per_step") for r in records]
+    return None if any(g is None for g in got) else float(max(got))
 
 
 def _rank_detail(rec, pred) -> dict:
@@ -118,6 +126,8 @@ def build_rows(specs, per_rank: list[list[dict]], config, on_cpu: bool) -> list[
         if mine and mine.get("step_time_s") and peer.get("step_time_s"):
             ratio = mine["step_time_s"] / peer["step_time_s"]
         peer["ratio"] = ratio
-        if mine is not None:  # our row carries the same ratio, and the peer it is taken against
+        # Our row carries the ratio to its first peer (PyTorch's, where there is one), and names that peer;
+        # every peer row carries its own.
+        if mine is not None and mine.get("peer") is None:
             mine.update(ratio=ratio, peer=peer["strategy"])
     return rows

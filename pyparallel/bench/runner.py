@@ -215,7 +215,7 @@ def worker(config: BenchConfig, queue=None) -> list[dict]:
     memory pass (a GPU, or no warm-up) strategies run one after another, so peers' ratios are sequential.
     """
     import pyparallel
-    from pyparallel.bench import measure
+    from pyparallel.bench import deepspeed_peers, measure
 
     # Before any tensor exists. A GPU's allocator reports its own peak: host memory can stay in fast mode.
     if config.device == "cpu":
@@ -226,6 +226,8 @@ def worker(config: BenchConfig, queue=None) -> list[dict]:
     base = pyparallel.init(backend=backend)
     cfg = config.gpt()
     dev = base.device
+    if any(s.name in deepspeed_peers.ROWS for s in config.strategies):
+        deepspeed_peers.preload(backend)
     _warm_up(cfg, dev)
     batches = _batches(config, cfg, dev)
 

@@ -5,7 +5,7 @@ Names are short and stable (they are the keys of the JSON rows): ``single``, ``d
 ``zero2``, ``zero3``, ``zero3-offload``, ``tp``, ``pp-gpipe``, ``pp-1f1b``, ``pp-interleaved``, layouts
 such as ``dp2xtp2``, ``dp2xpp2``, ``tp2xpp2``, ``dp2xtp2xpp2`` (degrees multiply to the world size; plain
 data parallelism on dp), the same with a ZeRO stage on dp (``dp2xtp2-zero3``: ``pyparallel.parallelize``),
-and the PyTorch peers ``torch-*`` added by ``--peers``.
+and the peers added by ``--peers``: PyTorch's ``torch-*`` and DeepSpeed's ``deepspeed-*``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,14 @@ PEERS = {
     "torch-tp": ("tp", "DTensor parallelize_module, ColwiseParallel/RowwiseParallel"),
     "torch-pp-1f1b": ("pp-1f1b", "torch.distributed.pipelining Schedule1F1B"),
 }
+# DeepSpeed's ZeRO engine (pyparallel/bench/deepspeed_peers.py), added by --peers whenever deepspeed imports.
+DEEPSPEED_PEERS = {
+    "deepspeed-zero1": ("zero1", "deepspeed.initialize, ZeRO stage 1"),
+    "deepspeed-zero2": ("zero2", "deepspeed.initialize, ZeRO stage 2"),
+    "deepspeed-zero3": ("zero3", "deepspeed.initialize, ZeRO stage 3"),
+    "deepspeed-zero3-offload": ("zero3-offload", "deepspeed.initialize, ZeRO stage 3, offload_optimizer cpu, "
+                                                 "DeepSpeedCPUAdam"),
+}
 # Two-axis peers: torchtitan's layout, FSDP2 over a DTensor-TP model on a 2-D DeviceMesh (dp x tp=2).
 PEERS_2D = {"torch-fsdp2xtp": "FSDP2 fully_shard over DTensor TP (ColwiseParallel/RowwiseParallel), 2-D DeviceMesh"}
 
@@ -81,10 +89,10 @@ def named(world: int) -> dict[str, StrategySpec]:
         for name, sched in _PP_SCHEDULES.items():
             out[name] = StrategySpec(name, pp=n, schedule=sched, virtual=2 if sched == "interleaved" else 1,
                                      note=f"pyparallel.pipeline_parallel.PipelineParallel, {sched}")
-        for peer, (ours, what) in PEERS.items():
+        for peer, (ours, what) in {**PEERS, **DEEPSPEED_PEERS}.items():
             base = out[ours]
             out[peer] = StrategySpec(peer, dp=base.dp, tp=base.tp, pp=base.pp, zero=base.zero,
-                                     schedule=base.schedule, peer_of=ours, note=what)
+                                     offload=base.offload, schedule=base.schedule, peer_of=ours, note=what)
     return out
 
 
@@ -138,7 +146,9 @@ def default_names(world: int) -> list[str]:
 
 
 def peer_names(world: int) -> list[str]:
-    return (list(PEERS) + list(_peers_2d(world))) if world >= 2 else []
+    """What ``--peers`` adds: PyTorch's rows, torchtitan's 2-D row, DeepSpeed's rows (the command line leaves
+    out, with the reason printed, those this machine cannot run)."""
+    return (list(PEERS) + list(_peers_2d(world)) + list(DEEPSPEED_PEERS)) if world >= 2 else []
 
 
 def parse(text: str | None, world: int, peers: bool = False) -> list[StrategySpec]:
