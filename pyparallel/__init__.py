@@ -27,6 +27,8 @@ _EXPORTS = {
     "parallelize": "pyparallel.parallel",
     "ParallelModel": "pyparallel.parallel",
     "MixedPrecision": "pyparallel.amp",
+    "shard_batch": "pyparallel.data",
+    "dp_mean": "pyparallel.data",
 }
 _SUBMODULES = {
     "comm", "device", "mesh", "checkpoint", "memory", "amp", "zero", "optim", "tensor_parallel",
@@ -45,6 +47,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
         comm_stats,
         reset_comm_stats,
     )
+    from pyparallel.data import dp_mean, shard_batch  # noqa: F401
     from pyparallel.data_parallel.ddp import DataParallel  # noqa: F401
     from pyparallel.mesh import ParallelMesh, init  # noqa: F401
     from pyparallel.parallel import ParallelModel, parallelize  # noqa: F401

@@ -6,6 +6,8 @@ mesh, in one call.
                                    num_microbatches=8, optimizer=torch.optim.AdamW, lr=3e-4)
     for inputs, targets in batches:                 # this DP replica's share of the global batch
         loss = model.step(inputs, targets)          # forward, backward, optimizer step; global mean loss
+    # or, for a Hugging Face causal LM, its own convention (unshifted labels, padding mask):
+    loss = model.step(ids, labels=labels, attention_mask=mask)
 
 What happens to the model, in order (every rank builds the same full model first):
 
@@ -239,26 +241,35 @@ class ParallelModel:
 
     # ----------------------------------------------------------------------------------- training
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """Forward and backward of one batch (gradients accumulate until ``optimizer.step()``)."""
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None, *,
+                         labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> float:
+        """Forward and backward of one batch (gradients accumulate until ``optimizer.step()``). ``targets``
+        aligned with the outputs, or Hugging Face's unshifted ``labels=`` with an optional
+        ``attention_mask=`` (see ``PipelineParallel.step`` and docs/combined.md, "Labels")."""
         if inputs.is_floating_point() and inputs.dtype != self.engine.compute_dtype:
             inputs = inputs.to(self.engine.compute_dtype)
-        self._check_batch(inputs, targets)
+        # Local checks first (the same on every rank of a replica), then the TP ranks' shapes, so that a bad
+        # batch is a ValueError on every rank before any collective.
+        self.pipe._validate(inputs, targets, self.pipe.num_microbatches, labels, attention_mask)
+        self._check_batch(inputs, targets if labels is None else labels, attention_mask)
         self.engine.begin_step()  # ZeRO-3: gather this stage's weights (once per step)
-        return self.pipe.step(inputs, targets)
+        return self.pipe.step(inputs, targets, labels=labels, attention_mask=attention_mask)
 
     _MAX_DIMS = 6
 
-    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """The ranks of a TP group must step the same batch shape: their activation all-reduces would
         otherwise differ in size, which gloo answers by aborting the process. One fixed-size all-gather of
-        the shapes (it cannot mismatch) turns that into a ValueError on every rank of the group."""
+        the shapes (it cannot mismatch) turns that into a ValueError on every rank of the group. The mask's
+        row is -1 when there is none: TP ranks that disagree on masking would compute different models."""
         if self.mesh.tp == 1:
             return
         from pyparallel import comm
 
-        mine = torch.full((2, self._MAX_DIMS + 1), -1, dtype=torch.int64, device=self.mesh.device)
-        for row, t in enumerate((inputs, targets)):
+        mine = torch.full((3, self._MAX_DIMS + 1), -1, dtype=torch.int64, device=self.mesh.device)
+        for row, t in enumerate((inputs, targets, mask)):
+            if t is None:
+                continue
             dims = list(t.shape)[:self._MAX_DIMS]
             mine[row, 0] = t.dim()
             mine[row, 1:1 + len(dims)] = torch.tensor(dims, dtype=torch.int64, device=mine.device)
@@ -267,28 +278,29 @@ class ParallelModel:
         comm.all_gather(everyone.view(-1), mine.view(-1), group)
         if not bool((everyone == mine).all()):
             def shapes(k):
-                return [tuple(int(d) for d in everyone[k, r, 1:1 + int(everyone[k, r, 0])]) for r in range(2)]
+                return [tuple(int(d) for d in everyone[k, r, 1:1 + int(everyone[k, r, 0])])
+                        if everyone[k, r, 0] >= 0 else None for r in range(3)]
 
-            seen = "; ".join(f"rank {group.ranks[k]}: inputs {shapes(k)[0]}, targets {shapes(k)[1]}"
-                             for k in range(group.size))
+            seen = "; ".join(f"rank {group.ranks[k]}: inputs {shapes(k)[0]}, targets {shapes(k)[1]}, "
+                             f"attention_mask {shapes(k)[2]}" for k in range(group.size))
             raise ValueError(f"the tensor-parallel ranks of one replica must step the same batch, but they got "
                              f"different shapes ({seen}); give every TP rank of a data-parallel replica the same "
-                             f"rows (model.batch_slice(global_batch))")
+                             f"rows (pyparallel.shard_batch(global_batch, mesh))")
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor | None = None, *, labels: torch.Tensor | None = None,
+             attention_mask: torch.Tensor | None = None) -> float:
         """Forward, backward and optimizer step; returns the global mean loss (same on every rank)."""
-        loss = self.forward_backward(inputs, targets)
+        loss = self.forward_backward(inputs, targets, labels=labels, attention_mask=attention_mask)
         self.optimizer.step()
         self.optimizer.zero_grad()
         return loss
 
     def batch_slice(self, batch_size: int) -> slice:
-        """The rows of a global batch of ``batch_size`` samples that this DP replica trains on."""
-        if batch_size % self.mesh.dp:
-            raise ValueError(f"the global batch of {batch_size} samples does not divide over dp={self.mesh.dp} "
-                             f"data-parallel replicas")
-        share = batch_size // self.mesh.dp
-        return slice(self.mesh.dp_rank * share, (self.mesh.dp_rank + 1) * share)
+        """The rows of a global batch of ``batch_size`` samples that this DP replica trains on (the rows
+        ``pyparallel.shard_batch`` takes)."""
+        from pyparallel.data.split import dp_slice
+
+        return dp_slice(batch_size, self.mesh.dp, self.mesh.dp_rank)
 
     def train(self, mode: bool = True):
         self.pipe.train(mode)

@@ -3,6 +3,9 @@
 Byte-level tokens (vocabulary 256) need no tokenizer download; ``batches`` draws windows from the
 token stream with a seeded generator, so step k's batch is the same on every run, rank and layout —
 which is what makes resumed and re-laid-out runs comparable bit for bit.
+
+Splitting a global batch over the mesh (``shard_batch``, ``microbatches``) and averaging a logged number
+over the data-parallel replicas (``dp_mean``) live in ``split.py``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from importlib import resources
 
 import torch
+
+from pyparallel.data.split import dp_mean, dp_slice, microbatches, shard_batch  # noqa: F401
 
 VOCAB_SIZE = 256
 

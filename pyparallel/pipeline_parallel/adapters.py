@@ -2,10 +2,12 @@
 blocks: ``[embedding, *decoder layers, final norm + LM head]``.
 
 A decoder layer needs more than the hidden states: a causal mask, and for rotary models the position
-ids and (cos, sin) tables. Those depend only on the sequence length, so each wrapped layer rebuilds them
-from its input instead of shipping them between stages (the rotary module holds no parameters, only an
-``inv_freq`` buffer, and is shared by the wrappers). Only full-length sequences without padding or KV
-cache are supported: this is the training path.
+ids and (cos, sin) tables. Those depend only on the sequence length and on the batch's padding mask, so
+each wrapped layer rebuilds them from its input (and the micro-batch's ``attention_mask``, which every
+stage slices from the batch it was given) instead of shipping them between stages (the rotary module
+holds no parameters, only an ``inv_freq`` buffer, and is shared by the wrappers). Positions are
+``0..seq-1`` whatever the padding, as in the Hugging Face models' own forward when no ``position_ids``
+are passed. No KV cache: this is the training path.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ class HFEmbedding(nn.Module):
 
 
 class HFDecoderLayer(nn.Module):
-    """One decoder layer; builds its causal mask and rotary tables from the input's sequence length."""
+    """One decoder layer; builds its causal mask (with the padding of ``attention_mask``, [batch, seq],
+    0 = padding) and rotary tables from its input, as the Hugging Face model's forward does."""
+
+    takes_attention_mask = True  # Chunk.forward gives it the micro-batch's mask
 
     def __init__(self, layer: nn.Module, config, rotary: nn.Module | None):
         super().__init__()
@@ -39,14 +44,15 @@ class HFDecoderLayer(nn.Module):
         # make it look shared between pipeline stages.
         self.__dict__["rotary"] = rotary
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
         pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         # position_ids=None: positions are a plain arange (no packed sequences to detect, which would
-        # read tensor values and so fail on the meta device used for shape inference).
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
-                                  position_ids=None)
+        # read tensor values and so fail on the meta device used for shape inference). With a padding
+        # mask Hugging Face skips that detection too, so the mask built here is the one its forward builds.
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
+                                  cache=None, position_ids=None)
         kwargs = {}
         if self.rotary is not None:
             rot = self.rotary if x.device.type != "meta" else _meta_rotary(self.rotary)

@@ -29,8 +29,10 @@ import torch
 import torch.nn as nn
 
 from pyparallel import _ops, comm
+from pyparallel.data.split import microbatches
 from pyparallel.data_parallel.ddp import broadcast_tensors
 from pyparallel.pipeline_parallel import partition, schedules
+from pyparallel.pipeline_parallel.labels import check_attention_mask, labels_to_targets
 from pyparallel.pipeline_parallel.p2p import Links
 from pyparallel.pipeline_parallel.stage import Chunk, StageCompute, infer_shapes, meta_copy
 from pyparallel.pipeline_parallel.stats import SavedTensorMeter, StageStats, StepRecord
@@ -56,6 +58,10 @@ class PipelineParallel:
                  activation_checkpointing: bool = False, reduce_dp_grads: bool = True,
                  track_activation_memory: bool = False):
         blocks, default_loss = partition.to_blocks(model_or_blocks)
+        # Conventions the model supports (see step): HF's unshifted labels for language models (the ones
+        # with a token cross-entropy default), an attention mask for HF decoder layers.
+        self.takes_labels = default_loss is partition.token_cross_entropy
+        self.takes_attention_mask = any(getattr(b, "takes_attention_mask", False) for b in blocks)
         self.loss_fn = loss_fn or default_loss
         if self.loss_fn is None:
             raise ValueError(f"a {type(model_or_blocks).__name__} has no default loss: pass "
@@ -190,18 +196,27 @@ class PipelineParallel:
 
     # -------------------------------------------------------------------------------------- a step
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int | None = None) -> float:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor | None = None, num_microbatches: int | None = None,
+             *, labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> float:
         """Forward and backward of one batch through the pipeline; returns the mean loss over the batch
         (and over the DP group), the same on every rank. Gradients accumulate into ``.grad`` (call the
-        optimizer's ``zero_grad`` between steps). Every stage passes the same ``inputs`` and ``targets``
-        (the first stage reads the inputs, the last the targets; all use their shapes to validate)."""
+        optimizer's ``zero_grad`` between steps). Every stage passes the same batch (the first stage reads
+        the inputs, the last the targets, every stage the attention mask; all use the shapes to validate).
+
+        Two label conventions (docs/pipeline.md, "Labels and padding"): ``targets`` aligned with the outputs (already
+        shifted), or, for language models, Hugging Face's ``labels=`` (unshifted: the loss at position t
+        is over token t + 1, -100 ignored). ``attention_mask=`` [batch, seq] (1 = token, 0 = padding)
+        reaches every decoder layer of a Hugging Face causal LM, as in ``model(..., attention_mask=)``."""
         start = time.perf_counter()
         m = num_microbatches or self.num_microbatches
-        self._validate(inputs, targets, m)
+        targets = self._validate(inputs, targets, m, labels, attention_mask)
         self._last_m = m
         dev = self.mesh.device
-        mb_inputs = inputs.to(dev).tensor_split(m) if self.is_first else None
-        mb_targets = targets.to(dev).tensor_split(m) if self.is_last else None
+        mb_inputs = microbatches(inputs.to(dev), m) if self.is_first else None
+        mb_targets = microbatches(targets.to(dev), m) if self.is_last else None
+        # Every stage slices the mask from its own copy of the batch: it is an input all ranks hold, so it
+        # never travels between stages.
+        mb_masks = microbatches(attention_mask.to(dev), m) if attention_mask is not None else None
         expected_shapes = self._infer(mb_shape(inputs, m), mb_shape(targets, m))
         scales = self._loss_scales(mb_targets) if self.is_last else None
         actions, expected = self._plan(m)
@@ -209,7 +224,7 @@ class PipelineParallel:
         if self._meter is not None:
             self._meter.reset_peak()
         links = Links(self._p2p_groups, self.rank, expected, dev, expected_shapes)
-        self._run(actions, compute, links, mb_inputs, mb_targets, scales)
+        self._run(actions, compute, links, mb_inputs, mb_targets, scales, mb_masks)
         loss, flush_s = self._flush(compute.loss_sum)
         self._reduce_tied()
         if self.reduce_dp_grads and self.mesh.dp > 1:
@@ -222,12 +237,17 @@ class PipelineParallel:
             split=dict(compute.split_counts) if self.split_backward else None))
         return loss
 
-    def _validate(self, inputs, targets, m) -> None:
-        """Identical on every rank (every rank sees the same shapes), so all raise together."""
+    def _validate(self, inputs, targets, m, labels=None, attention_mask=None) -> torch.Tensor:
+        """Identical on every rank (every rank sees the same shapes), so all raise together. Returns the
+        targets aligned with the outputs (``labels`` shifted when given)."""
         if m is None:
             raise ValueError("pass num_microbatches to PipelineParallel(...) or to step(...)")
         schedules.check_config(self.schedule, self.p, m, self.v)
-        if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        if not isinstance(inputs, torch.Tensor):
+            raise ValueError("step(inputs, targets) takes tensors, batch dimension first")
+        targets = labels_to_targets(inputs, targets, labels, self.takes_labels)
+        check_attention_mask(inputs, attention_mask, self.takes_attention_mask)
+        if not isinstance(targets, torch.Tensor):
             raise ValueError("step(inputs, targets) takes two tensors, batch dimension first")
         if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
             raise ValueError(f"inputs of shape {tuple(inputs.shape)} and targets of shape "
@@ -235,6 +255,7 @@ class PipelineParallel:
         if inputs.shape[0] % m:
             raise ValueError(f"the batch of {inputs.shape[0]} samples is not divisible by num_microbatches "
                              f"({m}); use a batch that is a multiple of {m}")
+        return targets
 
     def _infer(self, x_shape, t_shape):
         key = (x_shape, t_shape)
@@ -261,7 +282,8 @@ class PipelineParallel:
             self._plans[m] = (lists[self.rank], expected)
         return self._plans[m]
 
-    def _run(self, actions, compute: StageCompute, links: Links, mb_inputs, mb_targets, scales) -> None:
+    def _run(self, actions, compute: StageCompute, links: Links, mb_inputs, mb_targets, scales,
+             mb_masks=None) -> None:
         """Execute this rank's action list. Activations and gradients between chunks on the same rank (ZBV's
         turn) are handed over locally. Under a zero-bubble schedule, a stage about to block on a message
         that has not arrived first runs deferred W's — the next ones of its list, in list order, whose B
@@ -300,10 +322,11 @@ class PipelineParallel:
                 else:
                     x = receive(self.stage_of(c - 1), ("act", c - 1, i))
                     x.requires_grad_(links.act_meta[c - 1][2] and x.is_floating_point())
+                mask = mb_masks[i] if mb_masks is not None else None
                 if c == last:
-                    compute.forward(c, i, x, mb_targets[i], scales[i])
+                    compute.forward(c, i, x, mb_targets[i], scales[i], mask=mask)
                 else:
-                    y = compute.forward(c, i, x)
+                    y = compute.forward(c, i, x, mask=mask)
                     if self.stage_of(c + 1) == me:
                         local[("act", c, i)] = y
                     else:

@@ -5,7 +5,8 @@ function takes the last block's output and the targets. ``to_blocks`` knows thre
 
 * the built-in GPT: ``[embed, *blocks, head]`` with token cross-entropy as the loss;
 * a Hugging Face causal LM (LLaMA, GPT-2, ...): embedding, decoder layers, final norm + LM head (see
-  ``adapters.py``), with the same loss (targets are already shifted: no shift inside);
+  ``adapters.py``), with the same loss (on aligned targets: ``labels.py`` shifts Hugging Face's
+  ``labels=`` before they get here);
 * an ``nn.Sequential`` or a list of modules: its children, with a loss the caller supplies.
 
 Chunks are contiguous runs of blocks, so the embedding is on the first stage and the head on the last.

@@ -33,14 +33,18 @@ class Chunk(nn.Module):
         self.first_block = first_block
         self.activation_checkpointing = activation_checkpointing
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``attention_mask``: the micro-batch's padding mask, given to the blocks that take one (HF decoder
+        layers, ``takes_attention_mask``); the others see only the hidden states."""
         for block in self.blocks:
+            kw = {"attention_mask": attention_mask} if attention_mask is not None and \
+                getattr(block, "takes_attention_mask", False) else {}
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Recompute the block in backward; only its input stays alive (non-reentrant: works with
-                # inputs that need no grad, e.g. token ids, and with saved-tensor hooks).
-                x = checkpoint(block, x, use_reentrant=False)
+                # inputs that need no grad, e.g. token ids, with keyword inputs and saved-tensor hooks).
+                x = checkpoint(block, x, use_reentrant=False, **kw)
             else:
-                x = block(x)
+                x = block(x, **kw)
         return x
 
     def describe(self, stage: int) -> str:
@@ -109,6 +113,20 @@ def infer_shapes(meta_blocks, bounds, p: int, x: torch.Tensor, targets: torch.Te
 # ------------------------------------------------------------------------------------------- compute
 
 
+class _NoTokens(torch.autograd.Function):
+    """The loss of a micro-batch with no target token: 0, with a zero gradient for the outputs."""
+
+    @staticmethod
+    def forward(ctx, y):
+        ctx.meta = (y.shape, y.dtype, y.device)
+        return torch.zeros((), dtype=torch.float32 if y.dtype != torch.float64 else y.dtype, device=y.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.meta
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class StageCompute:
     """Forward and backward of single (chunk, micro-batch) pairs on this rank, timed as busy.
 
@@ -134,16 +152,17 @@ class StageCompute:
         # chunk), and that had no input gradient to compute (the first chunk: all of it is W).
         self.split_counts = {"split": 0, "full_checkpointed": 0, "no_input_grad": 0, "weight_groups": 0}
 
-    def forward(self, c: int, mb: int, x: torch.Tensor, target=None, scale: float = 1.0):
+    def forward(self, c: int, mb: int, x: torch.Tensor, target=None, scale: float = 1.0, mask=None):
         """Run chunk ``c`` on micro-batch ``mb``; return the output to send (None on the last chunk).
-        A received ``x`` arrives as a leaf that requires grad when its sender's output did."""
+        A received ``x`` arrives as a leaf that requires grad when its sender's output did. ``mask``: the
+        micro-batch's attention mask (None: none)."""
         start = time.perf_counter()
         if self.meter is not None:
             with self.meter:
-                y = self.chunks[c](x)
+                y = self.chunks[c](x, mask)
                 result = self._finish_forward(c, mb, x, y, target, scale)
         else:
-            y = self.chunks[c](x)
+            y = self.chunks[c](x, mask)
             result = self._finish_forward(c, mb, x, y, target, scale)
         self.busy_s += time.perf_counter() - start
         self.peak_inflight = max(self.peak_inflight, len(self.state) + len(self.pending_w))
@@ -151,8 +170,14 @@ class StageCompute:
 
     def _finish_forward(self, c, mb, x, y, target, scale):
         if c == self.num_chunks - 1:
-            loss = self.loss_fn(y, target)
-            scaled = loss * scale
+            if scale == 0.0:
+                # No target token in this micro-batch (all -100, e.g. a row of padding): a mean over zero
+                # terms is 0/0 = NaN, and NaN * 0 would poison every gradient. Its weight n_i / N is 0, so
+                # it contributes a zero loss and zero gradients (every TP rank skips the loss alike: they
+                # hold the same targets).
+                scaled = _NoTokens.apply(y)
+            else:
+                scaled = self.loss_fn(y, target) * scale
             # A tensor sum, not float(): reading the value would synchronise a GPU every micro-batch.
             self.loss_sum = self.loss_sum + scaled.detach().to(torch.float64)
             self.state[(c, mb)] = (x, scaled)

@@ -1,0 +1,264 @@
+"""Hugging Face's label convention through the pipeline and ``parallelize``: unshifted ``labels=`` (-100
+ignored) and a padding ``attention_mask=`` give HF's own ``model(input_ids, attention_mask, labels).loss``
+on the whole batch in one process, and the same gradients and parameters; the data helpers
+(``pyparallel.shard_batch``, ``pyparallel.data.microbatches``, ``pyparallel.dp_mean``).
+
+The batch is padded (rows of different lengths; right padding, one row left-padded) with -100 labels at
+the pads, and one row with a single real token, so some micro-batches hold fewer target tokens than others
+and, at one row per micro-batch, one holds none. A mean of per-micro-batch means would be off; the
+global-token mean is what HF computes.
+
+Precision: one fp32 step against HF's unmodified loss (it casts logits to fp32, as our default loss does),
+at fp32 tolerance; then float64 runs of several AdamW steps against HF's model whose loss function keeps
+float64 (HF's shift and -100 rule, without its fp32 cast; tests/test_hf_tp.py explains why float64 for
+Adam), compared at float64 tolerance: losses every step, parameters after.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from dist import run
+from models import TINY, hf_model
+
+import pyparallel
+from pyparallel.data import microbatches
+from pyparallel.models.gpt import GPT, gpt_config
+from pyparallel.pipeline_parallel import PipelineParallel
+
+pytest.importorskip("transformers")
+
+B, S, VOCAB, STEPS = 4, 10, 64, 3
+LR, WD = 1e-2, 0.1
+LENGTHS = (10, 6, 1, 8)  # real tokens per row; row 2 has nothing to predict
+LEFT_PADDED = 3  # this row's padding is on the left
+
+
+def padded_batch(seed):
+    """input_ids, attention_mask, labels [B, S] (pads: id 0, mask 0, label -100)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (B, S), generator=gen)
+    mask = torch.zeros(B, S, dtype=torch.long)
+    for r, n in enumerate(LENGTHS):
+        if r == LEFT_PADDED:
+            mask[r, S - n:] = 1
+        else:
+            mask[r, :n] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def ce64(outputs, targets):
+    """Token cross-entropy in the outputs' dtype (the pipeline's default upcasts to fp32, not fp64)."""
+    return F.cross_entropy(outputs.flatten(0, -2), targets.flatten(), ignore_index=-100)
+
+
+def hf_loss64(logits, labels, vocab_size, **kwargs):
+    """transformers' ForCausalLMLoss without its fp32 cast: labels padded with -100 and shifted left by one,
+    mean over the tokens that are not -100."""
+    shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    return F.cross_entropy(logits.reshape(-1, vocab_size), shift.reshape(-1), ignore_index=-100)
+
+
+def make(kind, dtype):
+    return hf_model(kind, seed=0).to(dtype)
+
+
+def hf_reference(kind, steps=STEPS):
+    """One process, whole batch, HF's own forward with labels and mask: losses and final parameters."""
+    model = make(kind, torch.float64)
+    model.loss_function = hf_loss64
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses = []
+    for s in range(steps):
+        ids, mask, labels = padded_batch(100 + s)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def compare_params(full, ref_params):
+    assert full.keys() == ref_params.keys(), sorted(set(full) ^ set(ref_params))
+    for name, p in full.items():
+        torch.testing.assert_close(p, ref_params[name], msg=lambda m, name=name: f"{name}: {m}")
+
+
+# ------------------------------------------------------------------------- PipelineParallel, pp = 2
+
+
+def pipeline_body(kind):
+    mesh = pyparallel.init(pp=2)
+    ids, mask, labels = padded_batch(7)
+
+    # fp32, the default loss: one step's loss and every gradient against HF's unmodified loss.
+    model = make(kind, torch.float32)
+    serial = copy.deepcopy(model)
+    ref = serial(input_ids=ids, attention_mask=mask, labels=labels).loss
+    ref.backward()
+    # One row per micro-batch; checkpointed blocks recompute with the mask in backward.
+    pipe = PipelineParallel(model, mesh, schedule="1f1b", num_microbatches=4, activation_checkpointing=True)
+    loss = pipe.step(ids, labels=labels, attention_mask=mask)
+    torch.testing.assert_close(torch.tensor(loss, dtype=torch.float32), ref.detach())
+    held = []
+    ref_grads = dict(serial.named_parameters())
+    for name, p in model.named_parameters():  # the chunks hold the model's own parameters
+        if p.grad is not None:
+            held.append(name)
+            torch.testing.assert_close(p.grad, ref_grads[name].grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+    # The mask matters: without it the same labels give another loss (so it really reached the layers).
+    pipe.zero_grad()
+    unmasked = pipe.step(ids, labels=labels)
+    assert abs(unmasked - loss) > 1e-4, (unmasked, loss)
+
+    # float64, 3 AdamW steps, two micro-batches of two rows, zero-bubble schedule (split backward).
+    ref_losses, ref_params = hf_reference(kind)
+    model = make(kind, torch.float64)
+    pipe = PipelineParallel(model, mesh, schedule="zb-h1", num_microbatches=2, loss_fn=ce64)
+    opt = torch.optim.AdamW(list(pipe.parameters()), lr=LR, weight_decay=WD)
+    losses = []
+    for s in range(STEPS):
+        ids, mask, labels = padded_batch(100 + s)
+        losses.append(pipe.step(ids, labels=labels, attention_mask=mask))
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64))
+    compare_params(pipe.full_state_dict(), ref_params)
+
+    # Aligned targets still work, and give the same as the labels they come from.
+    ids, mask, labels = padded_batch(7)
+    aligned = F.pad(labels[:, 1:], (0, 1), value=-100)
+    a = pipe.step(ids, aligned, attention_mask=mask)
+    pipe.zero_grad()
+    b = pipe.step(ids, labels=labels, attention_mask=mask)
+    pipe.zero_grad()
+    assert a == b
+
+    # Refusals: both conventions at once, a mask of the wrong shape, labels of the wrong shape, a mask for a
+    # model whose blocks cannot take one, labels for a model without a language-model loss.
+    errors = []
+    for call in (lambda: pipe.step(ids, aligned, labels=labels),
+                 lambda: pipe.step(ids, labels=labels, attention_mask=mask[:, :5]),
+                 lambda: pipe.step(ids, labels=labels[:, :5]),
+                 lambda: pipe.step(ids)):
+        with pytest.raises(ValueError) as info:
+            call()
+        errors.append(str(info.value))
+    seq = PipelineParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), mesh, num_microbatches=2,
+                           loss_fn=lambda y, t: F.mse_loss(y, t))
+    x = torch.randn(4, 4)
+    with pytest.raises(ValueError, match="attention_mask= needs a Hugging Face causal LM"):
+        seq.step(x, x, attention_mask=torch.ones(4, 4))
+    with pytest.raises(ValueError, match="labels= .* needs the built-in GPT or a Hugging Face"):
+        seq.step(x, labels=torch.zeros(4, 4, dtype=torch.long))
+    # The built-in GPT takes labels= too (it is a causal LM): the same as the targets they shift to.
+    gpt = PipelineParallel(GPT(gpt_config("tiny", **TINY), seed=0), mesh, num_microbatches=2)
+    a = gpt.step(ids, aligned)
+    gpt.zero_grad()
+    assert gpt.step(ids, labels=labels) == a
+    return held, errors
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_pipeline_pp2_hf_labels_and_mask(kind):
+    results = run(pipeline_body, 2, kind)
+    held = [set(h) for h, _ in results]
+    names = {n for n, _ in make(kind, torch.float32).named_parameters()}
+    assert held[0] | held[1] == names and held[0] != names  # each stage checked its own part, all covered
+    errors = results[0][1]
+    assert "not both" in errors[0]
+    assert "attention_mask must be [batch, seq]" in errors[1] and "(4, 5)" in errors[1]
+    assert "labels of shape (4, 5)" in errors[2] and "(4, 10)" in errors[2]
+    assert "needs targets" in errors[3]
+
+
+# ------------------------------------------------------------------------------- pyparallel.parallelize
+
+
+def parallelize_body(kind, layouts):
+    ref_losses, ref_params = hf_reference(kind)
+    ids, mask, labels = padded_batch(100)
+    # HF's own loss in one process, fp64: the reference's first loss (a sanity check of the reference).
+    first = make(kind, torch.float64)
+    first.loss_function = hf_loss64
+    assert first(input_ids=ids, attention_mask=mask, labels=labels).loss.item() == ref_losses[0]
+    for dp, tp, pp, zero, m in layouts:
+        mesh = pyparallel.init(dp=dp, tp=tp, pp=pp)
+        pm = pyparallel.parallelize(make(kind, torch.float64), mesh, zero_stage=zero, num_microbatches=m, lr=LR,
+                                    weight_decay=WD, loss_fn=None if tp > 1 else ce64)
+        losses = []
+        for s in range(STEPS):
+            batch = dict(zip(("input_ids", "attention_mask", "labels"), padded_batch(100 + s)))
+            mine = pyparallel.shard_batch(batch, mesh)  # this replica's rows
+            losses.append(pm.step(mine["input_ids"], labels=mine["labels"], attention_mask=mine["attention_mask"]))
+        torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                                   torch.tensor(ref_losses, dtype=torch.float64),
+                                   msg=lambda msg, lay=(dp, tp, pp): f"dp, tp, pp = {lay}: {msg}")
+        compare_params(pm.full_state_dict(), ref_params)
+    return True
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_parallelize_pp2_hf_labels_and_mask(kind):
+    run(parallelize_body, 2, kind, [(1, 1, 2, 0, 4)])
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_parallelize_tp2pp2_and_dp2pp2_hf_labels_and_mask(kind):
+    # dp2 x pp2: the replicas hold 14 and 8 target tokens (each replica's loss weighted by the global count);
+    # ZeRO-1 on the DP axis.
+    run(parallelize_body, 4, kind, [(1, 2, 2, 0, 2), (2, 1, 2, 1, 2)])
+
+
+# ------------------------------------------------------------------------------------------ data helpers
+
+
+def data_body():
+    mesh = pyparallel.init(dp=2)
+    ids, mask, labels = padded_batch(3)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    mine = pyparallel.shard_batch(batch, mesh)
+    rows = slice(2 * mesh.dp_rank, 2 * mesh.dp_rank + 2)
+    assert mine.keys() == batch.keys() and all(torch.equal(mine[k], batch[k][rows]) for k in batch)
+    pair = pyparallel.shard_batch((ids, labels), mesh)
+    assert isinstance(pair, tuple) and torch.equal(pair[0], ids[rows]) and torch.equal(pair[1], labels[rows])
+    assert torch.equal(pyparallel.shard_batch(ids, mesh), ids[rows])
+    errors = []
+    for bad in (torch.zeros(5, 3), {"a": torch.zeros(4, 3), "b": torch.zeros(3, 3)}, [torch.zeros(4), 3]):
+        with pytest.raises(ValueError) as info:
+            pyparallel.shard_batch(bad, mesh)
+        errors.append(str(info.value))
+    # dp_mean: a number, a tensor (dtype kept), the same on both ranks.
+    value = 1.5 + 2.0 * mesh.dp_rank  # 1.5 and 3.5
+    mean = pyparallel.dp_mean(value, mesh)
+    t = pyparallel.dp_mean(torch.tensor(value, dtype=torch.float32), mesh)
+    assert t.dtype == torch.float32 and t.shape == ()
+    with pytest.raises(ValueError, match="one number"):
+        pyparallel.dp_mean(torch.ones(2), mesh)
+    return mean, float(t), errors
+
+
+def test_shard_batch_and_dp_mean():
+    results = run(data_body, 2)
+    assert [r[0] for r in results] == [2.5, 2.5] and [r[1] for r in results] == [2.5, 2.5]
+    errors = results[0][2]
+    assert "5 samples" in errors[0] and "dp=2" in errors[0]
+    assert "batch['a']: 4" in errors[1] and "batch['b']: 3" in errors[1]
+    assert "batch[1] is a int" in errors[2]
+
+
+def test_microbatches():
+    ids, mask, labels = padded_batch(3)
+    parts = microbatches({"input_ids": ids, "labels": labels}, 2)
+    assert len(parts) == 2 and torch.equal(parts[1]["labels"], labels[2:])
+    assert [p.shape[0] for p in microbatches(ids, 4)] == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match=r"batch of 4 samples is not divisible by num_microbatches \(3\)"):
+        microbatches(ids, 3)
+    with pytest.raises(ValueError, match="positive integer"):
+        microbatches(ids, 0)
