@@ -56,11 +56,14 @@ def ce64(outputs, targets):
     return F.cross_entropy(outputs.flatten(0, -2), targets.flatten(), ignore_index=-100)
 
 
-def hf_loss64(logits, labels, vocab_size, **kwargs):
+def hf_loss64(logits, labels, vocab_size, num_items_in_batch=None, **kwargs):
     """transformers' ForCausalLMLoss without its fp32 cast: labels padded with -100 and shifted left by one,
-    mean over the tokens that are not -100."""
+    mean over the tokens that are not -100 (or their sum over ``num_items_in_batch``)."""
     shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    return F.cross_entropy(logits.reshape(-1, vocab_size), shift.reshape(-1), ignore_index=-100)
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits.reshape(-1, vocab_size), shift.reshape(-1), ignore_index=-100)
+    total = F.cross_entropy(logits.reshape(-1, vocab_size), shift.reshape(-1), ignore_index=-100, reduction="sum")
+    return total / num_items_in_batch
 
 
 def make(kind, dtype):
@@ -241,16 +244,36 @@ def data_body():
     assert t.dtype == torch.float32 and t.shape == ()
     with pytest.raises(ValueError, match="one number"):
         pyparallel.dp_mean(torch.ones(2), mesh)
-    return mean, float(t), errors
+
+    # DataParallel (gradients averaged over DP) with HF's num_items_in_batch = global count / dp: the
+    # averaged gradients and the dp_mean of the losses are HF's on the whole batch, though the replicas
+    # hold 14 and 8 target tokens.
+    count = pyparallel.data.global_token_count(mine["labels"], mesh)
+    serial = make("llama", torch.float64)
+    serial.loss_function = hf_loss64
+    ref = serial(**batch).loss
+    ref.backward()
+    model = make("llama", torch.float64)
+    model.loss_function = hf_loss64
+    ddp = pyparallel.DataParallel(model, mesh)
+    loss = ddp(**mine, num_items_in_batch=count / mesh.dp).loss
+    loss.backward()
+    torch.testing.assert_close(pyparallel.dp_mean(loss.detach(), mesh), ref.detach())
+    ref_grads = dict(serial.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    return mean, float(t), errors, count
 
 
-def test_shard_batch_and_dp_mean():
+def test_shard_batch_token_count_and_dp_mean():
     results = run(data_body, 2)
     assert [r[0] for r in results] == [2.5, 2.5] and [r[1] for r in results] == [2.5, 2.5]
     errors = results[0][2]
     assert "5 samples" in errors[0] and "dp=2" in errors[0]
     assert "batch['a']: 4" in errors[1] and "batch['b']: 3" in errors[1]
     assert "batch[1] is a int" in errors[2]
+    # Rows score 9, 5, 0 and 8 tokens: the left-padded row's first real token is predicted from a pad (as in HF).
+    assert [r[3] for r in results] == [22, 22]
 
 
 def test_microbatches():

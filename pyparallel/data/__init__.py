@@ -4,8 +4,9 @@ Byte-level tokens (vocabulary 256) need no tokenizer download; ``batches`` draws
 token stream with a seeded generator, so step k's batch is the same on every run, rank and layout —
 which is what makes resumed and re-laid-out runs comparable bit for bit.
 
-Splitting a global batch over the mesh (``shard_batch``, ``microbatches``) and averaging a logged number
-over the data-parallel replicas (``dp_mean``) live in ``split.py``.
+Splitting a global batch over the mesh (``shard_batch``, ``microbatches``), the global token count of a
+causal-LM loss (``global_token_count``) and averaging a logged number over the data-parallel replicas
+(``dp_mean``) live in ``split.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from importlib import resources
 
 import torch
 
-from pyparallel.data.split import dp_mean, dp_slice, microbatches, shard_batch  # noqa: F401
+from pyparallel.data.split import dp_mean, dp_slice, global_token_count, microbatches, shard_batch  # noqa: F401
 
 VOCAB_SIZE = 256
 

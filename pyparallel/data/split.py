@@ -94,6 +94,24 @@ def microbatches(batch, m: int) -> list:
     return [_rebuild(batch, [p[i] for p in pieces]) for i in range(m)]
 
 
+def global_token_count(labels: torch.Tensor, mesh) -> int:
+    """How many tokens a causal-LM loss scores in the global batch: labels ``[..., seq]`` in Hugging Face's
+    unshifted convention (position t is scored against token t + 1, so the first column never counts; -100
+    ignored), summed over the data-parallel replicas (one all-reduce of one number over ``mesh.dp_group``).
+
+    For a replica that averages its gradients over DP (``DataParallel``, ``zero.setup``), passing
+    ``num_items_in_batch=global_token_count(labels, mesh) / mesh.dp`` to a Hugging Face model makes each
+    rank's loss its token sum over that share of the count, so the averaged gradients are those of HF's loss
+    on the whole global batch (the mean over all its tokens), and ``dp_mean`` of the losses is that loss.
+    ``PipelineParallel`` and ``parallelize`` count this way by themselves."""
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dim() < 1:
+        raise ValueError("global_token_count takes an integer tensor of labels [..., seq] (-100 ignored)")
+    count = (labels[..., 1:] != -100).sum().reshape(1).to(device=mesh.device, dtype=torch.int64)
+    if mesh.dp > 1:
+        comm.all_reduce(count, mesh.dp_group)
+    return int(count.item())
+
+
 def dp_mean(value, mesh):
     """The mean of ``value`` over the data-parallel replicas (a collective over ``mesh.dp_group``: every
     rank of the group must call it). ``value``: a Python number or a one-element tensor; returns a float
