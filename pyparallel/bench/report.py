@@ -68,7 +68,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"torch {meta['torch']}. Losses match the single-process reference when "
              f"torch.allclose(rtol={RTOL:g}, atol={ATOL:g}) holds at every step. Flags: `states` when the "
              "planner is more than 10% off the measured model-state bytes, `peak` when more than 25% off "
-             "the peak. ours/peer: our step time over the PyTorch peer's.", "",
+             "the peak. ours/peer: our step time over the peer's (PyTorch's or DeepSpeed's; our row shows its "
+             "first peer's).", "",
              "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in body]
     return "\n".join(lines) + "\n"

@@ -1,5 +1,5 @@
 """From per-rank records to one row per strategy: medians, rank maxima, the planner's prediction, the
-check against the single-process reference, the flags, and the ratio of each PyTorch peer to ours.
+check against the single-process reference, the flags, and the ratio of each peer (PyTorch, DeepSpeed) to ours.
 
 Conventions (docs/bench.md): step time is the median over timed steps of the slowest rank's time;
 memory and traffic are the maximum over ranks (the rank that limits the run), measured and predicted

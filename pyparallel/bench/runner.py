@@ -188,7 +188,7 @@ def run_alternating(specs: list[StrategySpec], base, cfg, config: BenchConfig, b
 
 
 def timing_groups(specs) -> list[list[StrategySpec]]:
-    """Each of our strategies with the PyTorch peers measured against it (alternating, see
+    """Each of our strategies with the peers (PyTorch, DeepSpeed) measured against it (alternating, see
     :func:`run_alternating`); any other strategy alone. In the order of ``specs``."""
     peers: dict[str, list[StrategySpec]] = {}
     for s in specs:

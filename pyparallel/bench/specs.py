@@ -18,7 +18,7 @@ from dataclasses import dataclass
 class StrategySpec:
     """One row of the bench: a dp × tp × pp layout, the ZeRO stage on the dp axis, the pipeline schedule.
 
-    ``peer_of`` names the pyparallel strategy a PyTorch peer is compared with (``None`` for our own).
+    ``peer_of`` names the pyparallel strategy a peer (PyTorch, DeepSpeed) is compared with (``None`` for our own).
     """
 
     name: str
