@@ -36,23 +36,25 @@ class HFDecoderLayer(nn.Module):
 
     takes_attention_mask = True  # Chunk.forward gives it the micro-batch's mask
 
-    def __init__(self, layer: nn.Module, config, rotary: nn.Module | None):
+    def __init__(self, layer: nn.Module, config, rotary: nn.Module | None, kind: str = "full_attention"):
         super().__init__()
         self.layer = layer
         self.config = config
+        self.kind = kind  # "full_attention" or "sliding_attention": which mask the model gives this layer
         # Not a registered submodule: it has no parameters, and registering it in every layer would
         # make it look shared between pipeline stages.
         self.__dict__["rotary"] = rotary
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+        make_mask = create_sliding_window_causal_mask if self.kind == "sliding_attention" else create_causal_mask
         pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         # position_ids=None: positions are a plain arange (no packed sequences to detect, which would
         # read tensor values and so fail on the meta device used for shape inference). With a padding
         # mask Hugging Face skips that detection too, so the mask built here is the one its forward builds.
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
-                                  cache=None, position_ids=None)
+        mask = make_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=None,
+                         position_ids=None)
         kwargs = {}
         if self.rotary is not None:
             rot = self.rotary if x.device.type != "meta" else _meta_rotary(self.rotary)
@@ -68,14 +70,38 @@ def _meta_rotary(rotary: nn.Module) -> nn.Module:
 
 
 class HFHead(nn.Module):
-    """Final norm + LM head: the last block."""
+    """Final norm + LM head (+ Gemma 2's final logit soft-capping, cap * tanh(logits / cap)): the last block.
+    The cap is element-wise, so it is the same on vocabulary-parallel logits."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None = None):
         super().__init__()
-        self.norm, self.lm_head = norm, lm_head
+        self.norm, self.lm_head, self.softcap = norm, lm_head, softcap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))  # [b, s, h] @ [h, vocab] -> [b, s, vocab]
+        logits = self.lm_head(self.norm(x))  # [b, s, h] @ [h, vocab] -> [b, s, vocab]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+_MASK_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_mask_kinds(config, n_layers: int) -> list[str]:
+    """Which causal mask each decoder layer gets, as the models' own forwards choose: ``config.layer_types``
+    where the config has them (Gemma 2, Qwen 2/3), else a sliding window for every layer when
+    ``config.sliding_window`` is set (Mistral, Phi-3), else full causal. A layer type we do not build a
+    mask for is refused: giving it the full causal mask would train another model without a word."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+        return [kind] * n_layers
+    types = list(types)[:n_layers]
+    odd = sorted({t for t in types if t not in _MASK_KINDS})
+    if odd or len(types) != n_layers:
+        raise ValueError(f"cannot pipeline a {type(config).__name__} whose layer_types are {sorted(set(types))} "
+                         f"for {n_layers} layers: the pipeline builds only {' and '.join(_MASK_KINDS)} masks")
+    return types
 
 
 def hf_blocks(model) -> list[nn.Module] | None:
@@ -93,5 +119,6 @@ def hf_blocks(model) -> list[nn.Module] | None:
     config = model.config
     rotary = getattr(base, "rotary_emb", None)
     embed = HFEmbedding(tokens, getattr(base, "wpe", None), getattr(base, "drop", None))
-    wrapped = [HFDecoderLayer(layer, config, rotary) for layer in layers]
-    return [embed, *wrapped, HFHead(norm, head)]
+    kinds = layer_mask_kinds(config, len(layers))
+    wrapped = [HFDecoderLayer(layer, config, rotary, kind) for layer, kind in zip(layers, kinds)]
+    return [embed, *wrapped, HFHead(norm, head, getattr(config, "final_logit_softcapping", None))]
