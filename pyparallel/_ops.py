@@ -1,24 +1,46 @@
 """Python face of ``torch.ops.pyparallel`` and a plain-torch reference for every op.
 
 The references are the specification: tests compare each compiled kernel against them on random inputs,
-and they are the fallback when the extension is absent (``PYPARALLEL_NO_EXT=1``, a failed build) or the
-device has no kernel, in which case one warning says so.
+and they are the fallback when the extension is absent (``PYPARALLEL_NO_EXT=1``, no compiler to build it on
+first use, a failed build: pyparallel/_jit.py) or the device has no kernel, in which case one warning says so.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
 
-try:
-    from pyparallel import _C  # noqa: F401  (loading it registers torch.ops.pyparallel.*)
+# The extension is looked up (and compiled if the install had no torch to build it: pyparallel/_jit.py) the
+# first time an op or one of HAS_EXT / _C / _EXT_ERROR is asked for, not at import, so that importing
+# pyparallel (the planner, the CLI) never waits minutes for a compiler.
+_load_lock = threading.Lock()
 
-    HAS_EXT = True
-    _EXT_ERROR: str | None = None
-except ImportError as exc:  # pure-Python install or a broken build
-    HAS_EXT = False
-    _EXT_ERROR = str(exc)
+
+def _ensure_loaded() -> None:
+    global HAS_EXT, _C, _EXT_ERROR
+    if "HAS_EXT" in globals():
+        return
+    with _load_lock:
+        if "HAS_EXT" in globals():
+            return
+        from pyparallel import _jit
+
+        module, error = _jit.load()
+        if module is not None:
+            _register_python_side()
+        _C, _EXT_ERROR = module, error
+        HAS_EXT = module is not None
+
+
+def __getattr__(name: str):
+    # PEP 562: the first read of HAS_EXT, _C or _EXT_ERROR loads the extension; later reads are plain globals.
+    if name in ("HAS_EXT", "_C", "_EXT_ERROR"):
+        _ensure_loaded()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _warned = False
 
@@ -29,8 +51,7 @@ def _warn_fallback(op: str) -> None:
         _warned = True
         why = _EXT_ERROR or "the extension was built without kernels for this device"
         warnings.warn(
-            f"pyparallel: compiled op '{op}' unavailable ({why}); using the plain-torch reference. "
-            "Reinstall with `pip install --no-build-isolation -e .` for the fast kernels.",
+            f"pyparallel: compiled op '{op}' unavailable ({why}); using the plain-torch reference.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -38,6 +59,7 @@ def _warn_fallback(op: str) -> None:
 
 def has_kernel(op: str, device: torch.device) -> bool:
     """True when the extension registered ``op`` for ``device``'s dispatch key."""
+    _ensure_loaded()
     if not HAS_EXT:
         return False
     key = "CUDA" if device.type == "cuda" else "CPU"
@@ -85,17 +107,6 @@ def unflatten_from(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
     else:
         _warn_fallback("unflatten_from")
         unflatten_from_reference(flat, outs)
-
-
-if HAS_EXT:
-
-    @torch.library.register_fake("pyparallel::flatten_into")
-    def _flatten_into_fake(tensors, out):
-        return None
-
-    @torch.library.register_fake("pyparallel::unflatten_from")
-    def _unflatten_from_fake(flat, outs):
-        return None
 
 
 # ------------------------------------------------------- tensor parallel: fused GeLU -> row matmul
@@ -183,25 +194,6 @@ def _gelu_linear_backward(ctx, grad_out):
     return (dz if mask[0] else None), (db if mask[1] else None), (dw if mask[2] else None), None
 
 
-if HAS_EXT and hasattr(torch.ops.pyparallel, "gelu_linear"):
-
-    @torch.library.register_fake("pyparallel::gelu_linear")
-    def _gelu_linear_fake(z, bias, weight, approximate="none"):
-        return z.new_empty((*z.shape[:-1], weight.shape[0]))
-
-    @torch.library.register_fake("pyparallel::gelu_linear_backward")
-    def _gelu_linear_backward_fake(grad_out, z, bias, weight, approximate, output_mask):
-        def maybe(flag, shape):
-            return z.new_empty(shape if flag else (0,))
-
-        has_bias = bias is not None
-        return (maybe(output_mask[0], z.shape), maybe(output_mask[1] and has_bias, (z.shape[-1],)),
-                maybe(output_mask[2], tuple(weight.shape)))
-
-    torch.library.register_autograd("pyparallel::gelu_linear", _gelu_linear_backward,
-                                    setup_context=_gelu_linear_setup)
-
-
 # ------------------------------------------------------- optimizers: fused Adam / AdamW
 # One pass per element over param, grad, m, v (Adam: Kingma & Ba 2015; decoupled weight decay: Loshchilov &
 # Hutter 2019), optionally writing a bf16/fp16 copy of the updated param in the same pass (the copy
@@ -282,9 +274,48 @@ def adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: l
         adam_step_reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lowp_out, *args)
 
 
-if HAS_EXT and hasattr(torch.ops.pyparallel, "adam_step"):
 
-    @torch.library.register_fake("pyparallel::adam_step")
-    def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lowp_out, step, lr, beta1, beta2,
-                        eps, weight_decay, adamw, maximize, amsgrad):
+
+# -------------------------------------------------------- fake kernels and autograd of the compiled ops
+# Registered once the library has loaded (the schemas come from it); hasattr guards an extension built
+# before an op existed.
+
+
+def _register_python_side() -> None:
+    ops = torch.ops.pyparallel
+
+    def fake(name):
+        return torch.library.register_fake(f"pyparallel::{name}")
+
+    @fake("flatten_into")
+    def _flatten_into_fake(tensors, out):
         return None
+
+    @fake("unflatten_from")
+    def _unflatten_from_fake(flat, outs):
+        return None
+
+    if hasattr(ops, "gelu_linear"):
+
+        @fake("gelu_linear")
+        def _gelu_linear_fake(z, bias, weight, approximate="none"):
+            return z.new_empty((*z.shape[:-1], weight.shape[0]))
+
+        @fake("gelu_linear_backward")
+        def _gelu_linear_backward_fake(grad_out, z, bias, weight, approximate, output_mask):
+            def maybe(flag, shape):
+                return z.new_empty(shape if flag else (0,))
+
+            has_bias = bias is not None
+            return (maybe(output_mask[0], z.shape), maybe(output_mask[1] and has_bias, (z.shape[-1],)),
+                    maybe(output_mask[2], tuple(weight.shape)))
+
+        torch.library.register_autograd("pyparallel::gelu_linear", _gelu_linear_backward,
+                                        setup_context=_gelu_linear_setup)
+
+    if hasattr(ops, "adam_step"):
+
+        @fake("adam_step")
+        def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lowp_out, step, lr, beta1,
+                            beta2, eps, weight_decay, adamw, maximize, amsgrad):
+            return None

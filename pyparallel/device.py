@@ -20,6 +20,11 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if cuda_available() else 0
 
 
+def cuda_arch_names() -> list[str]:
+    """Compute capabilities ("9.0") of the visible GPUs: what a compile-on-first-use build targets."""
+    return sorted({"{}.{}".format(*torch.cuda.get_device_capability(i)) for i in range(cuda_device_count())})
+
+
 def default_backend() -> str:
     """NCCL when this process can use a GPU, gloo otherwise."""
     return "nccl" if cuda_available() and torch.distributed.is_nccl_available() else "gloo"
@@ -74,3 +79,33 @@ def manual_seed_all(seed: int) -> None:
     torch.manual_seed(seed)
     if cuda_available():
         torch.cuda.manual_seed_all(seed)
+
+
+# Generator states of the default generators, for the model-parallel RNG (tensor_parallel/random.py), which
+# swaps the state dropout draws from. CPU states are ByteTensors of the Mersenne Twister; CUDA states are
+# Philox (seed, offset) pairs of the given device's default generator.
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The default generator's state for ``device`` (a copy)."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(_cuda_index(device))
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, _cuda_index(device))
+    else:
+        torch.set_rng_state(state)
+
+
+def seeded_rng_state(seed: int, device: torch.device) -> torch.Tensor:
+    """The state a default generator of ``device`` would have after ``manual_seed(seed)``."""
+    if device.type == "cuda":
+        return torch.Generator(device=torch.device("cuda", _cuda_index(device))).manual_seed(seed).get_state()
+    return torch.Generator().manual_seed(seed).get_state()
