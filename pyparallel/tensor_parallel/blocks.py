@@ -8,6 +8,10 @@ backward (``f``).
 * :class:`ParallelSelfAttention`: the heads split over the ranks (q, k, v column-parallel, sharing one
   ``f``; o row-parallel). Grouped-query attention (Ainslie et al. 2023) splits the KV heads the same way,
   so every rank keeps whole groups.
+
+Dropout (tensor_parallel/random.py): attention dropout acts on this rank's heads and draws from the
+model-parallel stream; the MLP's output dropout acts on the replicated residual stream and draws from the
+default generator, except under sequence parallelism, where each rank holds its own slice of the sequence.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pyparallel.tensor_parallel import random as tp_random
 from pyparallel.tensor_parallel.layers import ColumnParallelLinear, InputCache, RowParallelLinear
 
 _GELU_BY_NAME = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
@@ -42,6 +47,7 @@ class ParallelMLP(nn.Module):
         self.add_module(names[0], fc_in)
         self.add_module(names[1], fc_out)
         self.dropout = nn.Dropout(dropout)
+        self._sequence_parallel, self._rng = sequence_parallel, tp_random.tracker(mesh)
 
     @property
     def column(self) -> ColumnParallelLinear:
@@ -66,12 +72,16 @@ class ParallelMLP(nn.Module):
                                                                     name=f"{name}.{names[0]}", **common))
         layer.add_module(names[1], RowParallelLinear.from_linear(src_out, mesh, name=f"{name}.{names[1]}", **common))
         layer.dropout = nn.Dropout(drop.p if isinstance(drop, nn.Dropout) else 0.0)
+        layer._sequence_parallel, layer._rng = sequence_parallel, tp_random.tracker(mesh)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.column.forward_no_bias(x)  # [b, s, h] @ [h, ffn/t] -> Z [b, s, ffn/t] (bias added in the fused op)
         y = self.row.forward_gelu(z, self.column.bias, self.approximate)  # GeLU(Z + a) @ [ffn/t, h] -> [b, s, h]
-        return self.dropout(y)
+        if self._sequence_parallel and self.training and self.dropout.p > 0:
+            with self._rng.fork(y.device):  # y is this rank's [b, s/t, h] slice: its own mask
+                return self.dropout(y)
+        return self.dropout(y)  # y is replicated: the same mask on every TP rank
 
 
 def _check_heads(name: str, n_head: int, n_kv_head: int, t: int) -> None:
@@ -100,7 +110,7 @@ class ParallelSelfAttention(nn.Module):
         _check_heads(name, n_head, n_kv_head, t)
         self.head_dim = head_dim or hidden // n_head
         self.local_heads, self.local_kv_heads = n_head // t, n_kv_head // t
-        self.dropout = dropout
+        self.dropout, self._rng = dropout, tp_random.tracker(mesh)
         cache = self._input_cache = InputCache()  # one f (or sequence all-gather) for q, k and v
         d = self.head_dim
         col = dict(sequence_parallel=sequence_parallel, input_cache=cache, init=init, dtype=dtype, device=device)
@@ -125,7 +135,7 @@ class ParallelSelfAttention(nn.Module):
         nn.Module.__init__(layer)
         layer.head_dim = attn.q_proj.out_features // n_head
         layer.local_heads, layer.local_kv_heads = n_head // t, n_kv_head // t
-        layer.dropout = float(getattr(attn, "dropout", 0.0) or 0.0)
+        layer.dropout, layer._rng = float(getattr(attn, "dropout", 0.0) or 0.0), tp_random.tracker(mesh)
         cache = layer._input_cache = InputCache()
         for proj in ("q_proj", "k_proj", "v_proj"):
             setattr(layer, proj, ColumnParallelLinear.from_linear(getattr(attn, proj), mesh, input_cache=cache,
@@ -147,6 +157,9 @@ class ParallelSelfAttention(nn.Module):
             rep = self.local_heads // self.local_kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        if self.training and self.dropout > 0:
+            with self._rng.fork(q.device):  # dropout on this rank's heads: its own mask
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, a/t·d] @ [a/t·d, h] -> [b, s, h]

@@ -1,0 +1,169 @@
+"""Dropout under tensor parallelism equals one process drawing the same masks (tensor_parallel/random.py).
+
+The TP run trains the built-in GPT with dropout 0.2 everywhere (embedding, attention probabilities, MLP
+output) at t=2 (and t=4 with sequence parallelism). The one-process reference is the plain model, whose
+replicated-activation dropouts draw from the default generator seeded the same way, and whose split-
+activation dropouts are given the masks the TP ranks draw: per layer, rank r's mask from the stream seeded
+``seed_of(r)``, concatenated over ranks by head (attention) or by sequence (the MLP output under sequence
+parallelism). Losses and every parameter after 5 AdamW steps match at default float64 tolerance (see DTYPE). If the TP
+ranks drew their head masks from one stream, or a replicated dropout from their own streams, the masks
+would differ from the reference and the losses would not match.
+"""
+
+import copy
+import math
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from dist import run
+from models import TINY, batches
+
+import pyparallel
+from pyparallel.models.gpt import GPT, gpt_config
+from pyparallel.tensor_parallel import full_parameters, parallelize
+from pyparallel.tensor_parallel import random as tp_random
+
+STEPS, B, S, P, SEED = 5, 4, 12, 0.2, 1234
+# float64: in fp32 the losses match, but Adam turns the last-bit differences of the TP reduction order (and
+# of SDPA's fused math against the reference's written-out one) into 1e-4 steps on the rarely-used embedding
+# rows, whose tiny gradients it normalizes to full-size updates; float64 leaves only the masks to differ.
+DTYPE = torch.float64
+
+
+class RankStreams:
+    """The TP ranks' model-parallel streams, replayed in one process."""
+
+    def __init__(self, seeds):
+        self.gens = [torch.Generator().manual_seed(s) for s in seeds]
+
+    def mask(self, shape, dim, dtype):
+        """Each rank's keep-mask over its slice (``shape`` is one rank's), concatenated along ``dim``.
+        bernoulli_(1 - p) on a tensor of the activations' dtype is what dropout draws on the CPU."""
+        return torch.cat([torch.empty(shape, dtype=dtype).bernoulli_(1 - P, generator=g) for g in self.gens], dim)
+
+
+def _reference_attention(self, x):
+    """CausalSelfAttention.forward with SDPA's math written out and the TP ranks' head masks."""
+    b, s, _ = x.shape
+    q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, a, s, d]
+    k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+    v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)  # [b, a, s, s]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    if self.training:
+        a, t = q.shape[1], len(self._streams.gens)
+        att = att * self._streams.mask((b, a // t, s, s), 1, att.dtype) / (1 - P)
+    return self.o_proj((att @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+class SequenceSplitDropout(nn.Module):
+    """The MLP output dropout under sequence parallelism: rank r drops its own slice of the sequence."""
+
+    def __init__(self, streams):
+        super().__init__()
+        self.streams = streams
+
+    def forward(self, y):
+        if not self.training:
+            return y
+        b, s, h = y.shape
+        return y * self.streams.mask((b, s // len(self.streams.gens), h), 1, y.dtype) / (1 - P)
+
+
+def _train(model, mesh=None):
+    if mesh is None:
+        torch.manual_seed(SEED)
+    else:
+        tp_random.manual_seed(mesh, SEED)  # default generators: SEED; model-parallel: SEED + offset + tp_rank
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for idx, tgt in batches(STEPS, B, S):
+        if mesh is None:  # the built-in GPT's own loss casts to fp32; the vocab-parallel one keeps float64
+            loss = F.cross_entropy(model(idx).flatten(0, 1), tgt.flatten())
+        else:
+            loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def dropout_body(sp, overrides):
+    t = torch.distributed.get_world_size()
+    mesh = pyparallel.init(tp=t)
+    model = GPT(gpt_config("tiny", **{**TINY, "dropout": P, **overrides}), seed=0).to(DTYPE)
+    serial = copy.deepcopy(model)
+    parallelize(model, mesh, sequence_parallel=sp)
+    rng = tp_random.tracker(mesh)
+
+    rng.manual_seed(SEED)  # only to read the seeds the TP ranks will use
+    streams = RankStreams([rng.seed_of(r) for r in range(t)])
+    for block in serial.blocks:
+        block.attn._streams = streams
+        block.attn.forward = types.MethodType(_reference_attention, block.attn)
+        if sp:
+            block.mlp.dropout = SequenceSplitDropout(streams)
+    ref_losses = _train(serial)
+    no_dropout = _train(copy.deepcopy(serial).eval())
+    assert max(abs(a - b) for a, b in zip(ref_losses, no_dropout)) > 1e-2, (ref_losses, no_dropout)
+
+    losses = _train(model, mesh)
+    torch.testing.assert_close(torch.tensor(losses, dtype=DTYPE), torch.tensor(ref_losses, dtype=DTYPE))
+    full, ref = full_parameters(model), dict(serial.named_parameters())
+    for name, p in full.items():
+        torch.testing.assert_close(p, ref[name].detach(), msg=lambda m, name=name: f"{name}: {m}")
+    return rng.seed_of()
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_builtin_gpt_dropout_t2(sp):
+    seeds = run(dropout_body, 2, sp, {"n_kv_head": 2})  # grouped-query attention: 4 heads, 2 KV heads
+    assert seeds[0] != seeds[1]  # each TP rank its own model-parallel stream
+
+
+def test_builtin_gpt_dropout_t4_sequence_parallel():
+    run(dropout_body, 4, True, {"n_head": 4, "n_kv_head": 4})
+
+
+def test_fork_swaps_only_inside_and_keeps_its_stream():
+    rng = tp_random.ModelParallelRNG(tp_rank=1, seed=7)
+    torch.manual_seed(3)
+    with rng.fork():
+        a = torch.rand(4)
+        with rng.fork():  # re-entrant: the same stream
+            b = torch.rand(4)
+        with rng.replicated():  # back to the default stream for replicated activations
+            d0 = torch.rand(4)
+    with rng.fork():
+        c = torch.rand(4)
+    d1 = torch.rand(4)
+    g = torch.Generator().manual_seed(7 + tp_random.MODEL_PARALLEL_OFFSET + 1)
+    assert torch.equal(torch.cat([a, b, c]), torch.rand(12, generator=g))
+    g = torch.Generator().manual_seed(3)
+    assert torch.equal(torch.cat([d0, d1]), torch.rand(8, generator=g))
+
+
+def test_checkpoint_context_replays_the_model_parallel_stream():
+    from torch.utils.checkpoint import checkpoint
+
+    rng = tp_random.ModelParallelRNG(tp_rank=0, seed=11)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        with rng.fork():
+            return torch.nn.functional.dropout(x @ w, 0.5)
+
+    x = torch.randn(4, 8)
+    rng.manual_seed(11)
+    fn(x).sum().backward()
+    expected, w.grad = w.grad.clone(), None
+    rng.manual_seed(11)
+    checkpoint(fn, x, use_reentrant=False, context_fn=tp_random.checkpoint_context).sum().backward()
+    torch.testing.assert_close(w.grad, expected)
