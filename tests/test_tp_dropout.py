@@ -167,3 +167,49 @@ def test_checkpoint_context_replays_the_model_parallel_stream():
     rng.manual_seed(11)
     checkpoint(fn, x, use_reentrant=False, context_fn=tp_random.checkpoint_context).sum().backward()
     torch.testing.assert_close(w.grad, expected)
+
+
+# ------------------------------------------------------------------------------------- Hugging Face GPT-2
+# Hugging Face attention keeps its own forward (only its linear layers are split), so parallelize runs it
+# inside fork() and steps GPT-2's resid_dropout (replicated: after c_proj's all-reduce) back out. What is
+# checked here: the replicated hidden states stay identical on every TP rank with all three GPT-2 dropouts
+# on, the attention drew from each rank's own stream, and a dropout of unknown role is refused. Not
+# checked: equality with one process (the reference would have to replay each rank's head masks inside
+# transformers' attention functions); the built-in GPT above carries that parity.
+
+
+def _gpt2(p, extra=False):
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32, resid_pdrop=p,
+                                  embd_pdrop=p, attn_pdrop=p, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    if extra:
+        model.transformer.h[1].attn.extra_dropout = nn.Dropout(p)
+    return model
+
+
+def hf_gpt2_body():
+    mesh = pyparallel.init(tp=torch.distributed.get_world_size())
+    model = parallelize(_gpt2(P), mesh)
+    tp_random.manual_seed(mesh, SEED)
+    model.train()
+    idx = batches(1, B, S)[0][0]
+    hidden = model(input_ids=idx, output_hidden_states=True).hidden_states
+    gathered = [None] * mesh.tp
+    torch.distributed.all_gather_object(gathered, [h.detach() for h in hidden])
+    for layer, (mine, other) in enumerate(zip(gathered[0], gathered[1])):
+        assert torch.equal(mine, other), f"hidden state {layer} differs between TP ranks"
+    states = tp_random.tracker(mesh)._states
+    assert list(states) == [("cpu", None)], "the attention did not run inside fork()"
+    fresh = torch.Generator().manual_seed(tp_random.tracker(mesh).seed_of()).get_state()
+    assert not torch.equal(states[("cpu", None)], fresh), "the attention drew nothing from its stream"
+    with pytest.raises(ValueError, match=r"h\.1\.attn\.extra_dropout: dropout \(p=0\.2\)"):
+        parallelize(_gpt2(P, extra=True), mesh)
+    return True
+
+
+def test_hugging_face_gpt2_dropout_keeps_replicas_identical():
+    pytest.importorskip("transformers")
+    run(hf_gpt2_body, 2)

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from pyparallel.tensor_parallel import plans as plans_mod
+from pyparallel.tensor_parallel import random as tp_random
 from pyparallel.tensor_parallel import styles as styles_mod
 from pyparallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from pyparallel.tensor_parallel.layers import (
@@ -129,6 +130,8 @@ def parallelize(model: nn.Module, mesh, plan: dict | None = None, *, sequence_pa
         split = tuple(n[len(parent) + 1:] if parent else n for n, s in chosen
                       if s.name != "replicate" and n.startswith(parent + "." if parent else ""))
         plans_mod.check_attention(model.get_submodule(parent), parent, t, fixes, split)
+        if t > 1:
+            tp_random.check_split_module(model.get_submodule(parent), parent)
     _check_ties(model, chosen)
 
     # Embeddings first, so that a tied head finds its embedding's shard.
@@ -142,6 +145,8 @@ def parallelize(model: nn.Module, mesh, plan: dict | None = None, *, sequence_pa
         if fix is not None and t > 1:
             fix(module, t, parent)
         plans_mod.verify_fixed(module, parent, t, getattr(model, "config", None))
+        if t > 1:  # dropout on this rank's heads draws from its own stream (tensor_parallel/random.py)
+            tp_random.fork_module(module, tp_random.tracker(mesh))
     if ctx.heads:
         _wire_loss(model, mesh, mplan, ctx)
     if sequence_parallel:

@@ -132,9 +132,15 @@ _BY_MESH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def tracker(mesh) -> ModelParallelRNG:
     """The model-parallel RNG of ``mesh``'s TP group on this rank (one per mesh, made on first use)."""
-    rng = _BY_MESH.get(mesh)
-    if rng is None:
-        rng = _BY_MESH[mesh] = ModelParallelRNG(mesh.tp_group.rank)
+    try:
+        rng = _BY_MESH.get(mesh)
+        if rng is None:
+            rng = _BY_MESH[mesh] = ModelParallelRNG(mesh.tp_group.rank)
+    except TypeError:  # a mesh-like object without weak references (a test's namespace): keep it on the object
+        rng = getattr(mesh, "_pyparallel_rng", None)
+        if rng is None:
+            rng = ModelParallelRNG(mesh.tp_group.rank)
+            mesh._pyparallel_rng = rng
     return rng
 
 
@@ -163,3 +169,51 @@ def checkpoint_context():
     back as the forward left them), as torch does for the default generators."""
     saved = [(rng, rng.get_states()) for rng in list(_LIVE)]
     return contextlib.nullcontext(), _replay(saved)
+
+
+# ------------------------------------------------------------------ Hugging Face modules tensor parallelism splits
+# parallelize keeps a Hugging Face attention module and splits the linear layers inside it, so its whole
+# forward runs on this rank's heads: it runs inside fork(), and the dropouts that act on replicated
+# activations (after the row-parallel all-reduce) step back out. By class: the nn.Dropout children known to
+# act on replicated activations, and those known to act on split ones (a float such as LLaMA's
+# attention_dropout is always on the attention probabilities, i.e. split). Any other dropout with p > 0 is
+# refused: run on the wrong stream it would silently desynchronize the replicas or correlate the heads.
+REPLICATED_DROPOUTS = {"GPT2Attention": ("resid_dropout",)}
+SPLIT_DROPOUTS = {"GPT2Attention": ("attn_dropout",)}
+
+
+def check_split_module(module: torch.nn.Module, name: str) -> None:
+    cls = type(module).__name__
+    known = REPLICATED_DROPOUTS.get(cls, ()) + SPLIT_DROPOUTS.get(cls, ())
+    for child, sub in module.named_modules():
+        if child and isinstance(sub, torch.nn.Dropout) and sub.p > 0 and child not in known:
+            raise ValueError(
+                f"{name}.{child}: dropout (p={sub.p}) inside {cls}, whose heads or features tensor parallelism "
+                f"splits, and pyparallel does not know whether it acts on split or replicated activations; set its "
+                f"p to 0 (or train in eval mode), or leave {name} whole in the plan")
+
+
+def fork_module(module: torch.nn.Module, rng: ModelParallelRNG) -> None:
+    """Run ``module``'s training forward inside ``rng.fork`` (its known replicated dropouts outside)."""
+    for child in REPLICATED_DROPOUTS.get(type(module).__name__, ()):
+        sub = getattr(module, child)
+        sub.forward = _wrapped(sub.forward, sub, rng.replicated)
+    module.forward = _wrapped(module.forward, module, rng.fork)
+
+
+def _wrapped(forward, module, region):
+    def run(*args, **kwargs):
+        if not module.training:  # no dropout: leave the generators alone
+            return forward(*args, **kwargs)
+        param = next(module.parameters(), None)
+        with region(param.device if param is not None else _first_tensor_device(args, kwargs)):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def _first_tensor_device(args, kwargs) -> torch.device:
+    for value in (*args, *kwargs.values()):
+        if torch.is_tensor(value):
+            return value.device
+    return torch.device("cpu")
