@@ -6,7 +6,9 @@ Why one module (DESIGN.md, principle 3):
   ``pyparallel/accounting.py``; ``comm_stats()`` returns the totals, ``reset_comm_stats()`` zeroes them.
 * **Bounded waits.** Groups are created with a timeout; a collective that does not complete in time
   raises :class:`CollectiveTimeoutError` naming the op, the group, its ranks and this rank, instead of
-  hanging or aborting the process.
+  hanging or aborting the process. A lost connection names the peer by global rank: each rank's host
+  and pid are learned once when the mesh is built (:func:`register_processes`), so a peer on this host
+  that is no longer running is named, not just the port the backend saw.
 * **Backend gaps.** Some ops are missing on some backends (gloo had no ReduceOp.AVG and no
   reduce-scatter before torch 2.7; torch 2.13 renamed ``*_tensor`` to ``*_single``). Each gap is probed
   once per backend by attempting the op (unsupported ops fail on entry, before any byte moves, on every
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import zlib
 from dataclasses import dataclass, field
 
@@ -72,6 +75,7 @@ class Group:
     timeout_s: float
     backend: str
     seq: int = field(default=0)
+    label: str | None = None  # how errors describe the group when its rank order means something
 
     @property
     def size(self) -> int:
@@ -96,15 +100,68 @@ class Group:
         return self
 
 
-def new_group(ranks, name: str, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> Group | None:
+def new_group(ranks, name: str, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None, *,
+              label: str | None = None) -> Group | None:
     """Create a process group over ``ranks`` (a collective over the world: every rank must call it, in the
-    same order, for every group). Returns the Group on its members and None elsewhere."""
+    same order, for every group). Returns the Group on its members and None elsewhere. ``label`` replaces
+    the rank list in error messages (e.g. a pipeline link "global rank 1 sends to global rank 0")."""
     ranks = tuple(int(r) for r in ranks)
     backend = backend or dist.get_backend()
     pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
     if dist.get_rank() not in ranks:
         return None
-    return Group(pg=pg, name=name, ranks=ranks, timeout_s=timeout_s, backend=backend)
+    return Group(pg=pg, name=name, ranks=ranks, timeout_s=timeout_s, backend=backend, label=label)
+
+
+# Global rank -> (host name, pid), filled once per job by register_processes.
+_processes: dict[int, tuple[str, int]] = {}
+
+
+def register_processes(group: Group) -> None:
+    """Learn every rank's host and pid (one small all-gather over ``group``, the world), so that a lost
+    connection can be blamed on the global rank that is gone."""
+    found = [(socket.gethostname(), os.getpid())] * group.size
+    if group.size > 1:
+        try:  # not counted in group.seq: the user's first collective stays call #1 in messages
+            dist.all_gather_object(found, found[0], group=group.pg)
+        except Exception as exc:
+            raise _translate(exc, "all_gather_object", group, 0) from exc
+    for r, (host, pid) in zip(group.ranks, found):
+        _processes[r] = (host, int(pid))
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie — dead, not yet reaped by its parent — is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs (macOS): existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _gone(group: Group) -> list[tuple[int, int]]:
+    """(global rank, pid) of the group's peers on this host that are no longer running."""
+    host, me = socket.gethostname(), dist.get_rank()
+    return [(r, _processes[r][1]) for r in group.ranks
+            if r != me and r in _processes and _processes[r][0] == host and not _running(_processes[r][1])]
+
+
+def _blame_peers(group: Group) -> str:
+    gone = _gone(group)
+    if gone:
+        return "; ".join(f"global rank {r} (pid {pid} on this host) is no longer running" for r, pid in gone)
+    elsewhere = sorted({_processes[r][0] for r in group.ranks if r in _processes} - {socket.gethostname()})
+    if elsewhere:
+        return f"no peer on this host has died; peers on {', '.join(elsewhere)} may have"
+    return ""
 
 
 # ------------------------------------------------------------------------------------------ accounting
@@ -118,21 +175,28 @@ def _account(op: str, group: Group, payload_bytes: int) -> None:
 
 
 def _describe(op: str, group: Group, seq: int) -> str:
-    return (
-        f"{op} on group '{group.name}' (global ranks {list(group.ranks)}), call #{seq} on this group, "
-        f"rank {dist.get_rank()}"
-    )
+    members = group.label or f"global ranks {list(group.ranks)}"
+    return f"{op} on group '{group.name}' ({members}), call #{seq} on this group, rank {dist.get_rank()}"
+
+
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
 
 
 def _translate(exc: Exception, op: str, group: Group, seq: int) -> CollectiveError:
     text = str(exc)
+    first = text.strip().splitlines()[0] if text.strip() else ""
     where = _describe(op, group, seq)
     if "timed out" in text.lower() or "timeout" in text.lower():
+        blame = _blame_peers(group)
         return CollectiveTimeoutError(
-            f"pyparallel: {where} did not complete within {group.timeout_s:g} s: a peer rank never joined. "
-            f"Check that every rank of the group calls the same collectives in the same order "
-            f"(set PYPARALLEL_DEBUG=1 to compare them). Backend said: {text.splitlines()[0] if text else ''}"
+            f"pyparallel: {where} did not complete within {group.timeout_s:g} s: a peer rank never joined"
+            f"{f' ({blame})' if blame else ''}. Check that every rank of the group calls the same collectives "
+            f"in the same order (set PYPARALLEL_DEBUG=1 to compare them). Backend said: {first}"
         )
+    if any(s in text.lower() for s in _PEER_LOST):
+        blame = _blame_peers(group) or "the peer's global rank could not be determined from here"
+        return CollectiveError(f"pyparallel: {where} failed: lost the connection to a peer: {blame}. "
+                               f"Backend said: {first}")
     return CollectiveError(f"pyparallel: {where} failed: {text}")
 
 

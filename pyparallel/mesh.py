@@ -76,6 +76,7 @@ class ParallelMesh:
         )
         self.coords = self.coords_of(self.rank)
         self.world_group = comm.new_group(range(self.world_size), "world", self.timeout_s, self.backend)
+        comm.register_processes(self.world_group)  # so a lost peer is named by its global rank
         self.tp_group = self._make_axis("tp")
         self.dp_group = self._make_axis("dp")
         self.pp_group = self._make_axis("pp")
