@@ -256,6 +256,18 @@ def padding_body(tmp):
     checkpoint.load(tmp, plain)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(p, full[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    # Back into a padded TP model with its optimizer: the next step equals the uninterrupted one.
+    again = parallelize(hf_model("gpt2", seed=2, **cfg), mesh)
+    opt2 = torch.optim.AdamW(again.parameters(), lr=1e-2, weight_decay=0.1)
+    checkpoint.load(tmp, again, opt2)
+    idx = _ids(50257, 5)
+    for m, o in ((model, opt), (again, opt2)):
+        m(input_ids=idx, labels=idx).loss.backward()
+        o.step()
+    for name, p in full_parameters(again).items():
+        torch.testing.assert_close(p, full_parameters(model)[name], msg=lambda m, name=name: f"{name}: {m}")
+    if pad:
+        assert not again.lm_head.weight[-pad:].any()
     return tuple(plain.transformer.wte.weight.shape)
 
 

@@ -148,7 +148,8 @@ def load_torch_optimizer(model, optimizer, reader, manifest: dict) -> None:
             for key in [k[len(prefix):] for k in reader.names() if k.startswith(prefix)]:
                 full = reader.full(prefix + key)
                 if tuple(full.shape) == info.global_shape:
-                    local = torch.empty(p.shape, dtype=full.dtype).reshape(-1)
+                    # zeros: rows no piece covers (vocabulary padding) hold zero state, as their weights do
+                    local = torch.zeros(p.shape, dtype=full.dtype).reshape(-1)
                     for piece, view in _pieces_of(info, local, prefix + key, None):
                         view.copy_(reader.piece(piece))
                     entry[key] = local.view(p.shape)
