@@ -213,3 +213,27 @@ def hf_gpt2_body():
 def test_hugging_face_gpt2_dropout_keeps_replicas_identical():
     pytest.importorskip("transformers")
     run(hf_gpt2_body, 2)
+
+
+def checkpointed_pipeline_body():
+    """tp2 x pp2 with dropout: activation checkpointing recomputes each block with the forward's masks
+    (model-parallel stream replayed through checkpoint_context), so it trains exactly like no recompute."""
+    mesh = pyparallel.init(tp=2, pp=2)
+    results = []
+    for recompute in (False, True):
+        model = GPT(gpt_config("tiny", **{**TINY, "n_layer": 2, "dropout": P}), seed=0).to(DTYPE)
+        pm = pyparallel.parallelize(model, mesh, num_microbatches=2, activation_checkpointing=recompute,
+                                    optimizer=torch.optim.AdamW, lr=1e-2)
+        tp_random.manual_seed(mesh, SEED)
+        losses = [pm.step(idx, tgt) for idx, tgt in batches(3, B, S)]
+        results.append((losses, {n: p.detach().clone() for n, p in pm.named_parameters()}))
+    (plain, p_plain), (ckpt, p_ckpt) = results
+    assert plain == ckpt, (plain, ckpt)
+    for name, p in p_plain.items():
+        torch.testing.assert_close(p_ckpt[name], p, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    return plain
+
+
+def test_activation_checkpointing_replays_tp_dropout_in_a_pipeline():
+    losses = run(checkpointed_pipeline_body, 4)
+    assert len({tuple(x) for x in losses}) == 1  # every rank reports the pipeline's loss

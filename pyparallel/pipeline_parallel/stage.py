@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from pyparallel.pipeline_parallel.split import backward_input
+from pyparallel.tensor_parallel import random as tp_random
 
 
 class Chunk(nn.Module):
@@ -42,7 +43,9 @@ class Chunk(nn.Module):
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Recompute the block in backward; only its input stays alive (non-reentrant: works with
                 # inputs that need no grad, e.g. token ids, with keyword inputs and saved-tensor hooks).
-                x = checkpoint(block, x, use_reentrant=False, **kw)
+                # context_fn replays the model-parallel RNG too: under TP, dropout on split activations
+                # draws from it, and the recomputation must draw the forward's masks.
+                x = checkpoint(block, x, use_reentrant=False, context_fn=tp_random.checkpoint_context, **kw)
             else:
                 x = block(x, **kw)
         return x
