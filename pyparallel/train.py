@@ -68,11 +68,85 @@ def check_args(args) -> None:
         raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
     if (args.save_every or args.resume) and not args.checkpoint_dir:
         raise ValueError("--save-every and --resume need --checkpoint-dir")
-    dp = args.dp or 1
+    for name in ("lr", "weight_decay", "clip", "warmup"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.micro_batches is not None and args.micro_batches < 1:
+        raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    if args.nprocs is not None:
+        if args.nprocs < 1:
+            raise ValueError(f"--nprocs must be >= 1, got {args.nprocs}")
+        cell = args.tp * args.pp
+        if args.dp is not None and args.dp * cell != args.nprocs:
+            raise ValueError(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} = {args.dp * cell} processes, "
+                             f"but --nprocs is {args.nprocs}")
+        if args.nprocs % cell:
+            raise ValueError(f"--nprocs {args.nprocs} is not divisible by --tp {args.tp} x --pp {args.pp} = {cell}")
+    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file, not a folder")
+    dp = args.dp or ((args.nprocs // (args.tp * args.pp)) if args.nprocs else 1)
     m = args.micro_batches or args.pp
     if args.batch % (dp * m):
         raise ValueError(f"--batch {args.batch} must divide into dp ({dp}) x micro-batches ({m}) = {dp * m} "
                          f"equal parts")
+
+
+def preflight(args) -> None:
+    """What would otherwise fail inside every rank, checked once before any process starts: the text, the
+    model (built on the meta device: no memory), its split over tp and pp, and the checkpoint to resume."""
+    import torch
+
+    from pyparallel import data
+
+    try:
+        tokens = data.encode(data.load_text(args.text))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--text {args.text!r} cannot be read as UTF-8 text: {exc}") from exc
+    if tokens.numel() <= args.seq + 1:
+        raise ValueError(f"--text {args.text!r} has {tokens.numel()} byte tokens; --seq {args.seq} needs more "
+                         f"than {args.seq + 1}")
+    with torch.device("meta"):
+        model = build_model(args, data.VOCAB_SIZE)
+    if args.tp > 1:
+        from pyparallel.tensor_parallel import plans
+
+        plan = plans.detect(model)
+        if plan is None:
+            raise ValueError(f"--tp {args.tp}: no built-in tensor-parallel plan for {type(model).__name__}")
+        plans.check_sizes(plan, args.tp)
+    if args.pp > 1:
+        from pyparallel.pipeline_parallel import partition, schedules
+
+        v = 2 if args.schedule == "interleaved" else 1
+        schedules.check_schedule(args.schedule, args.pp, v)
+        schedules.check_config(args.schedule, args.pp, args.micro_batches or args.pp, v)
+        partition.plan_chunks(partition.to_blocks(model)[0], args.pp, v, None)
+    if args.resume and args.checkpoint_dir:
+        folder, _ = resume_folder(args.checkpoint_dir)
+        if folder is not None:
+            from pyparallel import checkpoint
+
+            saved = checkpoint.read_manifest(folder, verify=False).get("extra", {}).get("model")
+            if saved is not None and saved != args.model:
+                raise ValueError(f"--resume: {folder!r} was saved by a run with --model {saved!r}, this one has "
+                                 f"--model {args.model!r}")
+
+
+def resume_folder(root: str) -> tuple[str | None, str | None]:
+    """The checkpoint ``--resume`` continues from, and a note when it is not what ``latest`` names: a
+    broken ``latest`` falls back to the newest complete step (None, None: nothing saved yet)."""
+    from pyparallel import checkpoint
+
+    if not os.path.isdir(root) or not (os.path.exists(os.path.join(root, "latest"))
+                                       or checkpoint.complete_steps(root)):
+        return None, None
+    try:
+        return checkpoint.resolve(root), None
+    except checkpoint.CheckpointError as exc:
+        folder = checkpoint.newest_complete(root)
+        if folder is None:
+            raise ValueError(f"--resume: {exc}; and no complete step is left under {root!r}") from exc
+        return folder, f"{exc}; resuming from {os.path.basename(folder)}, the newest complete step"
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -86,9 +160,13 @@ def build_model(args, vocab: int):
         import transformers
 
         path = args.model if args.model.endswith(".json") else os.path.join(args.model, "config.json")
-        with open(path) as f:
-            raw = json.load(f)
-        config = transformers.AutoConfig.for_model(**raw)
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+            config = transformers.AutoConfig.for_model(**raw)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"--model {path!r} is not a Hugging Face config.json this transformers reads: "
+                             f"{type(exc).__name__}: {exc}") from exc
         if getattr(config, "vocab_size", vocab) < vocab:
             raise ValueError(f"{path}: vocab_size {config.vocab_size} is smaller than the {vocab} byte tokens")
         torch.manual_seed(args.seed)
@@ -157,8 +235,11 @@ def train(args) -> dict:
                                 optimizer=torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay,
                                 clip_grad_norm=args.clip or None, offload_optimizer=args.offload)
     start = 0
-    if args.resume and _has_checkpoint(args.checkpoint_dir):
-        start = checkpoint.load(args.checkpoint_dir, pm, pm.optimizer)["step"]
+    folder, note = resume_folder(args.checkpoint_dir) if args.resume else (None, None)
+    if folder is not None:
+        if note and mesh.rank == 0:
+            print(f"pyparallel train: {note}", file=sys.stderr, flush=True)
+        start = checkpoint.load(folder, pm, pm.optimizer)["step"]
     rows = pm.batch_slice(args.batch)
     first = mesh.rank == 0
     bar = _progress(first and not args.no_progress, start, args.steps)
@@ -185,10 +266,6 @@ def train(args) -> dict:
             "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None}
 
 
-def _has_checkpoint(root: str) -> bool:
-    return os.path.exists(os.path.join(root, "latest"))
-
-
 def _progress(enabled: bool, start: int, total: int):
     if not enabled:
         return None
@@ -211,15 +288,32 @@ def _worker(args) -> dict:
     return train(args)
 
 
+# What a rank raises for a user's mistake (printed as one line, exit 2); anything else is a bug or a fault
+# and keeps its traceback (exit 1).
+_USER_ERRORS = ("ValueError", "CheckpointError")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse printed the usage line and the error
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         check_args(args)
-    except ValueError as exc:
+        preflight(args)
+    except Exception as exc:
+        if type(exc).__name__ not in _USER_ERRORS:
+            raise
         print(f"pyparallel train: {exc}", file=sys.stderr)
         return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun (or launch): we are one rank
-        result = train(args)
+        try:
+            result = train(args)
+        except Exception as exc:
+            if type(exc).__name__ not in _USER_ERRORS:
+                raise
+            print(f"pyparallel train: rank {os.environ['RANK']}: {exc}", file=sys.stderr, flush=True)
+            return 2
         if int(os.environ["RANK"]) == 0:
             print("RESULT " + json.dumps(result), flush=True)
         return 0
@@ -229,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = pyparallel.launch(_worker, nprocs, (args,))[0]
     except pyparallel.LaunchError as exc:
+        if exc.exc_type in _USER_ERRORS:
+            print(f"pyparallel train: rank {exc.rank}: {exc.exc_message.strip().splitlines()[0]}", file=sys.stderr)
+            return 2
         print(f"pyparallel train: {exc}", file=sys.stderr)
         return 1
     print("RESULT " + json.dumps(result), flush=True)
