@@ -1,18 +1,23 @@
 """pyparallel's pipeline schedules against torch.distributed.pipelining, alternating in one run.
 
-For each schedule — GPipe, 1F1B, interleaved 1F1B (v = 2) — both implementations run the same GPT, cut
-at the same block boundaries (balanced by estimated FLOPs, so the bubble is the schedule's and not an
-uneven split's; the default vocabulary of 512 makes the head cost about a sixth of a layer, which keeps
-that split within a few per cent of even), on the same ranks and data: ``PipelineParallel`` against ``PipelineStage`` +
-``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``. Each iteration times one step of each
-(order alternating) from a barrier to the end of the slowest rank's step; forward + backward only (the
-optimizer is not part of the pipeline). Reports median step times and their ratio, our measured bubble
-against the theory (p - 1) / (v m + p - 1) — over all timed steps ("bubble meas", the mean over stages
-of idle / (busy + idle)) and as the median over steps (robust to a step the OS scheduler stretched) —
-and the peak bytes of saved activations per stage, measured for both with the same autograd
-saved-tensor hooks.
+For each schedule — GPipe, 1F1B, interleaved 1F1B (v = 2), ZB-H1 and ZBV (zero bubble, Qi et al. 2023) —
+both implementations run the same GPT, cut at the same block boundaries (balanced by estimated FLOPs, so
+the bubble is the schedule's and not an uneven split's; the default vocabulary of 512 makes the head cost
+about a sixth of a layer, which keeps that split within a few per cent of even), on the same ranks and
+data: ``PipelineParallel`` against ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` /
+``ScheduleInterleaved1F1B``. The zero-bubble rows have two peers: torch's ``Schedule1F1B`` (on the 1F1B
+row's split) and torch's own zero-bubble schedule on the same split as ours
+(``ScheduleInterleavedZeroBubble`` with one stage per rank for ZB-H1, ``ScheduleZBVZeroBubble`` with the
+V placement for ZBV). Each iteration times one step of each (order rotating) from a barrier to the end
+of the slowest rank's step; forward + backward only (the optimizer is not part of the pipeline). Reports
+median step times and their ratios, our measured bubble against the theory ((p - 1) / (v m + p - 1), or
+the zero-bubble lists' simulated bubble at equal F, B, W times) — over all timed steps ("bubble meas",
+the mean over stages of idle / (busy + idle)) and as the median over steps (robust to a step the OS
+scheduler stretched) — and the peak bytes of saved activations per stage, measured for both with the
+same autograd saved-tensor hooks.
 
     python benchmarks/pipeline.py --nprocs 2 4 --steps 8
+    python benchmarks/pipeline.py --nprocs 2 --schedules 1f1b zb-h1 zbv
 
 On a 2-core machine with 4 processes two stages share each core, so step times and the bubble there
 measure the operating system's scheduler as much as the pipeline: read the 4-rank rows as indicative.
@@ -43,8 +48,12 @@ from pyparallel.pipeline_parallel import (  # noqa: E402
     token_cross_entropy,
 )
 
-SCHEDULES = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
-             ("interleaved", 2, "ScheduleInterleaved1F1B")]
+# (ours, virtual stages, torch peers: the matching schedule first)
+SCHEDULES = [("gpipe", 1, ["ScheduleGPipe"]), ("1f1b", 1, ["Schedule1F1B"]),
+             ("interleaved", 2, ["ScheduleInterleaved1F1B"]),
+             ("zb-h1", 1, ["Schedule1F1B", "ScheduleInterleavedZeroBubble"]),
+             ("zbv", 2, ["Schedule1F1B", "ScheduleZBVZeroBubble"])]
+_MULTI_STAGE = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
 
 
 def flop_costs(cfg, seq: int) -> list[int]:
@@ -59,13 +68,16 @@ class TorchPeer:
     def __init__(self, blocks, bounds, mesh, schedule_cls: str, m: int):
         from torch.distributed import pipelining
 
-        p, n_chunks = mesh.pp, len(bounds) - 1
+        p, n_chunks, r = mesh.pp, len(bounds) - 1, mesh.pp_rank
         self.mesh = mesh
-        self.modules = [nn.Sequential(*blocks[bounds[c]:bounds[c + 1]]) for c in range(mesh.pp_rank, n_chunks, p)]
+        # ZBV's V: chunks r and 2p-1-r on rank r (the placement torch's ZBV schedule expects, as ours)
+        mine = [r, 2 * p - 1 - r] if schedule_cls == "ScheduleZBVZeroBubble" else list(range(r, n_chunks, p))
+        self.first, self.last = 0 in mine, n_chunks - 1 in mine
+        self.modules = [nn.Sequential(*blocks[bounds[c]:bounds[c + 1]]) for c in mine]
         stages = [pipelining.PipelineStage(mod, c, n_chunks, mesh.device, group=mesh.pp_group.pg)
-                  for mod, c in zip(self.modules, range(mesh.pp_rank, n_chunks, p))]
+                  for mod, c in zip(self.modules, mine)]
         cls = getattr(pipelining, schedule_cls)
-        arg = stages if schedule_cls == "ScheduleInterleaved1F1B" else stages[0]
+        arg = stages if schedule_cls in _MULTI_STAGE else stages[0]
         self.schedule = cls(arg, m, loss_fn=token_cross_entropy)
 
     def parameters(self):
@@ -73,7 +85,7 @@ class TorchPeer:
             yield from mod.parameters()
 
     def step(self, idx, tgt):
-        first, last = self.mesh.pp_rank == 0, self.mesh.pp_rank == self.mesh.pp - 1
+        first, last = self.first, self.last
         losses = []
         if first:
             self.schedule.step(idx, target=tgt if last else None, losses=losses if last else None)
@@ -100,36 +112,49 @@ def peak_bytes(fn, params, mesh) -> list[int]:
     return comm.all_gather_object(meter.peak, mesh.pp_group)
 
 
-def bench_schedule(mesh, cfg, data, schedule: str, v: int, torch_cls: str, args) -> dict:
+def bench_schedule(mesh, cfg, data, schedule: str, v: int, torch_classes: list[str], args) -> dict:
     m = args.microbatches
-    ours_model, torch_model = GPT(cfg, seed=0), GPT(cfg, seed=0)
-    blocks, _ = to_blocks(torch_model)
+    ours_model = GPT(cfg, seed=0)
     bounds = balance(flop_costs(cfg, args.seq), mesh.pp * v)
     ours = PipelineParallel(ours_model, mesh, schedule=schedule, num_microbatches=m, virtual_stages=v,
                             boundaries=bounds)
-    theirs = TorchPeer(blocks, bounds, mesh, torch_cls, m)
-    runs = {"ours": ours.step, "torch": theirs.step}
+    runs, models, peers = {"ours": ours.step}, [ours_model], {}
+    for cls in torch_classes:
+        peer_model = GPT(cfg, seed=0)
+        blocks, _ = to_blocks(peer_model)
+        peer_v = 2 if cls in _MULTI_STAGE and cls != "ScheduleInterleavedZeroBubble" else 1
+        peer_bounds = bounds if peer_v == v else balance(flop_costs(cfg, args.seq), mesh.pp * peer_v)
+        peers[cls] = TorchPeer(blocks, peer_bounds, mesh, cls, m)
+        runs[cls] = peers[cls].step
+        models.append(peer_model)
+    names = list(runs)
     times = {k: [] for k in runs}
     for it, (idx, tgt) in enumerate(data):
         if it == args.warmup:
             ours.reset_stats()
-        for name in (list(runs) if it % 2 == 0 else list(reversed(runs))):
+        k = it % len(names)
+        for name in names[k:] + names[:k]:  # rotating order: each runs first equally often
             t = timed(functools.partial(runs[name], idx, tgt), mesh)
             if it >= args.warmup:
                 times[name].append(t)
-        for model in (ours_model, torch_model):
+        for model in models:
             model.zero_grad(set_to_none=False)
     st = ours.stats()
     idx, tgt = data[0]
+    first = peers[torch_classes[0]]
     return {"schedule": schedule, "p": mesh.pp, "v": v, "m": m, "bounds": bounds,
-            "ours_s": times["ours"], "torch_s": times["torch"],
+            "ours_s": times["ours"], "torch_s": times[torch_classes[0]], "torch_cls": torch_classes,
+            "torch_zb_s": times[torch_classes[1]] if len(torch_classes) > 1 else None,
             "bubble_measured": st["bubble_measured"], "bubble_theory": st["bubble_theory"],
             "bubble_median_step": st["bubble_measured_median_step"],
             "bubble_per_stage": [s["bubble"] for s in st["stages"]],
             "busy_s_per_stage": [s["busy_s"] for s in st["stages"]],
+            "weight_s_per_stage": [s["weight_s"] for s in st["stages"]],
+            "early_w_per_stage": [s["early_w"] for s in st["stages"]],
+            "split": st["split"],
             "peak_inflight": st["peak_inflight"],
             "ours_act_bytes": peak_bytes(functools.partial(ours.step, idx, tgt), ours.parameters(), mesh),
-            "torch_act_bytes": peak_bytes(functools.partial(theirs.step, idx, tgt), theirs.parameters(), mesh)}
+            "torch_act_bytes": peak_bytes(functools.partial(first.step, idx, tgt), first.parameters(), mesh)}
 
 
 def worker(args):
@@ -137,7 +162,7 @@ def worker(args):
     # Untied: torch.distributed.pipelining does not synchronise weights shared across stages.
     cfg = gpt_config(args.preset, n_layer=args.layers, vocab_size=args.vocab, tie_embeddings=False)
     data = [synthetic_batch(cfg, args.batch, args.seq, seed=s) for s in range(args.warmup + args.steps)]
-    return [bench_schedule(mesh, cfg, data, *sched, args) for sched in SCHEDULES]
+    return [bench_schedule(mesh, cfg, data, *sched, args) for sched in SCHEDULES if sched[0] in args.schedules]
 
 
 def summarise(raw: list[dict]) -> list[dict]:
@@ -147,6 +172,8 @@ def summarise(raw: list[dict]) -> list[dict]:
         rows.append({
             "p": r["p"], "schedule": r["schedule"] + (f" v={r['v']}" if r["v"] > 1 else ""), "m": r["m"],
             "ours ms": ours * 1e3, "torch ms": theirs * 1e3, "ours/torch": ours / theirs,
+            "torch zb ms": median(r["torch_zb_s"]) * 1e3 if r["torch_zb_s"] else "-",
+            "ours/torch zb": ours / median(r["torch_zb_s"]) if r["torch_zb_s"] else "-",
             "bubble theory": r["bubble_theory"], "bubble meas": r["bubble_measured"],
             "meas/theory": r["bubble_measured"] / r["bubble_theory"],
             "median-step meas/theory": r["bubble_median_step"] / r["bubble_theory"],
@@ -168,6 +195,8 @@ def main():
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--schedules", nargs="+", default=[s[0] for s in SCHEDULES],
+                    choices=[s[0] for s in SCHEDULES])
     ap.add_argument("--json", default="benchmarks/out/pipeline.json")
     a = ap.parse_args()
     raw = []
