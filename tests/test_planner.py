@@ -116,6 +116,20 @@ def test_comm_bytes_per_step_ring_volumes():
     assert comm_bytes_per_step(psi, "ddp", dp=1)["total"] == 0
 
 
+def test_zero3_under_a_pipeline_moves_one_gather_and_one_reduce_scatter_per_step():
+    # pyparallel.parallelize gathers a stage's weights once per step under pp > 1 (torchtitan's PP + FSDP):
+    # 2Ψ(N-1)/N per step whatever the micro-batches and the recompute, like ZeRO-1, not 3Ψ per micro-batch.
+    psi, n = 1e9, 4
+    zero1 = comm_bytes_per_step(psi, "zero1", dp=n, pp=2, num_microbatches=8)["dp"]
+    for m in (1, 8):
+        assert comm_bytes_per_step(psi, "zero3", dp=n, pp=2, num_microbatches=m)["dp"] == pytest.approx(zero1)
+    assert comm_bytes_per_step(psi, "zero3", dp=n, num_microbatches=8)["dp"] == pytest.approx(8 * 1.5 * zero1)
+    # During the step it holds the stage's full weights and gradients: buffers of 2 x 2 bytes per parameter.
+    from pyparallel.planner.memory import buffer_bytes
+    assert buffer_bytes(psi, 1e7, 3, n, "bf16", bucket_mb=0, pp=2) == pytest.approx(4 * psi)
+    assert buffer_bytes(psi, 1e7, 3, n, "bf16", bucket_mb=0, pp=1) == pytest.approx(4 * 1e7)
+
+
 def test_comm_bytes_tensor_and_pipeline():
     s, b, h = 1024, 2, 1024
     tp = comm_bytes_per_step(0, tp=2, layers=3, hidden=h, seq_len=s, micro_batch=b)

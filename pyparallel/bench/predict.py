@@ -53,7 +53,7 @@ def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int,
                                       recompute=ATTENTION_AS, dtype=DTYPE)
     p2p = micro * seq * model.hidden * pmem.DTYPE_BYTES[DTYPE]
     buffers = pmem.buffer_bytes(params_rank, model.layer_params() / tp, spec.zero, dp, DTYPE, BUCKET_MB, p2p, pp)
-    phases = traffic.dp_phases(params_rank, spec.zero, dp, DTYPE, m, BUCKET_MB * 2**20)
+    phases = traffic.dp_phases(params_rank, spec.zero, dp, DTYPE, m, BUCKET_MB * 2**20, pp=pp)
     phases += traffic.tp_phase(layers, seq, micro, model.hidden, tp, m, DTYPE)
     phases += traffic.pp_phase(seq, micro, model.hidden, pp, m, tp, dtype=DTYPE, virtual_stages=v)
     comm = traffic.summarize(phases)

@@ -149,17 +149,30 @@ def stage_activation_bytes(model, seq_len: int, micro_batch: int, tp: int, pp: i
     return out
 
 
+def gathers_per_step(zero_stage: int, dp: int, pp: int) -> bool:
+    """Whether ZeRO-3 runs in pyparallel's pipeline mode: a stage's weights all-gathered once when the
+    step's first micro-batch starts, gradients accumulated and reduce-scattered once (``pyparallel.parallel``,
+    torchtitan's choice for PP + FSDP), instead of one gather per unit, micro-batch and pass."""
+    return zero_stage == 3 and dp > 1 and pp > 1
+
+
 def buffer_bytes(params_rank: float, layer_params_rank: float, zero_stage: int, dp: int, dtype: str,
                  bucket_mb: float = 25.0, p2p_bytes: float = 0.0, pp: int = 1) -> float:
     """Communication buffers: two gradient buckets in flight (DDP all-reduce or ZeRO reduce-scatter;
     25 MiB as in PyTorch DDP), ZeRO-3's gathered current and prefetched unit (``layer_params_rank``: the
     largest unit, in every mode, offload included: 2 × 16-bit = the 4 bytes per parameter of the largest
-    layer that DeepSpeed's estimator charges), and a send plus a receive buffer per pipeline boundary."""
+    layer that DeepSpeed's estimator charges), and a send plus a receive buffer per pipeline boundary.
+
+    ZeRO-3 under a pipeline (``pyparallel.parallelize`` with pp > 1) gathers the stage's weights once per
+    step and accumulates full gradients over the micro-batches (:func:`gathers_per_step`): during the step
+    it holds the whole stage's compute-dtype weights and gradients, counted here instead of two units."""
     w = DTYPE_BYTES[dtype]
     total = 0.0
     if dp > 1:
         total += 2 * min(bucket_mb * 2**20, params_rank * w)
-    if zero_stage == 3 and dp > 1:
+    if gathers_per_step(zero_stage, dp, pp):
+        total += 2 * params_rank * w
+    elif zero_stage == 3 and dp > 1:
         total += 2 * layer_params_rank * w
     if pp > 1:
         total += 2 * p2p_bytes

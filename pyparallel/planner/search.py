@@ -213,7 +213,8 @@ def evaluate(pb: Problem, dp: int, tp: int, pp: int, zero: int, offload: bool, m
         bubble_s = exposed_tp = exposed_pp = 0.0
         exposed_z3 = 0.0
         backward_s = compute_s * 2 / 3 / m
-        if zero == 3 and dp > 1:  # no shape: the whole model as units, 3 (4 under full recompute) gathers
+        # no shape: the whole model as units, 3 (4 under full recompute) gathers per micro-batch
+        if zero == 3 and dp > 1 and not mem.gathers_per_step(zero, dp, pp):
             gather = traffic.ring_factor("all_gather", dp) * params_rank * mem.DTYPE_BYTES[tr.dtype] / (bw.dp * 1e9)
             gathers = 4 if rc == "full" else 3
             exposed_z3 = m * (steptime.overlapped(compute_s / m / 3, gather) +
@@ -234,7 +235,7 @@ def evaluate(pb: Problem, dp: int, tp: int, pp: int, zero: int, offload: bool, m
     bubble = bubble_s / (busy + bubble_s) if busy + bubble_s > 0 else 0.0
 
     phases = traffic.dp_phases(params_rank, zero, dp, tr.dtype, m, tr.bucket_mb * 2**20, worst["layer_rank"],
-                               recompute=rc)
+                               recompute=rc, pp=pp)
     if model.has_shape:
         phases += traffic.tp_phase(max_layers, tr.seq_len, mb, model.hidden, tp, m, tr.dtype, rc)
         phases += traffic.pp_phase(tr.seq_len, mb, model.hidden, pp, m, tp, sp, tr.dtype, v)
@@ -342,7 +343,8 @@ def _micro_batch_problem(pb: Problem, dp: int, pp: int) -> str:
 
 def _modes(pb: Problem, dp: int, pp: int) -> list[tuple[int, bool]]:
     """(ZeRO stage, offload) pairs worth evaluating for a layout; every stage combines with TP and PP
-    (ZeRO-2 then reduce-scatters, ZeRO-3 re-gathers, once per micro-batch: the time model charges it)."""
+    (under a pipeline ZeRO-2 reduce-scatters once per micro-batch, ZeRO-3 gathers the stage once per step,
+    as ``pyparallel.parallelize`` does: the memory and time models charge each)."""
     out = []
     for z in pb.options.zero_stages:
         offloads = {"auto": (False, True), "off": (False,), "on": (True,)}[pb.options.offload]

@@ -18,7 +18,8 @@ bubble, plus what the data-parallel axis and the optimizer add once per step:
   forward, one before its backward (two under full recompute: the recomputed forward gathers again, as a
   module-hook engine such as DeepSpeed's does), a reduce-scatter after it. With one unit prefetched, a
   unit's gathers run under the previous unit's compute: the longer of the two paces the unit. The first
-  unit's gather waits.
+  unit's gather waits. Under a pipeline pyparallel gathers a stage once per step instead, which costs
+  what ZeRO-1 costs (see ``dp_seconds``).
 - **DDP / ZeRO-1 / ZeRO-2** (Li et al. 2020, "PyTorch Distributed"): the gradient reduction runs in
   buckets under the backward of the last micro-batch (ZeRO-2: of every micro-batch); only the last
   bucket and what outlasts the backward are exposed. ZeRO-1/2 all-gather the updated weights after the
@@ -36,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from pyparallel.planner import compute as cmod
-from pyparallel.planner.memory import DTYPE_BYTES
+from pyparallel.planner.memory import DTYPE_BYTES, gathers_per_step
 from pyparallel.planner.traffic import ring_factor
 
 # Fitted once, globally, to Narayanan et al. 2021 table 2 (ZeRO-3 at 384 to 2240 GPUs): a third of an
@@ -104,7 +105,7 @@ def _p2p_seconds(lay: Layout, model, seq_len: int, dtype: str, bw: Bandwidths) -
 def _zero3_seconds(lay: Layout, unit_params: float, bw: Bandwidths, dtype: str, fwd: float,
                    bwd: float) -> float:
     """ZeRO-3 exposure for one unit and one micro-batch, its compute being ``fwd`` and ``bwd`` seconds."""
-    if lay.zero != 3 or lay.dp <= 1:
+    if lay.zero != 3 or lay.dp <= 1 or gathers_per_step(lay.zero, lay.dp, lay.pp):
         return 0.0
     gather = ring_factor("all_gather", lay.dp) * unit_params * DTYPE_BYTES[dtype] / (bw.dp * 1e9)
     gathers_bwd = 2 if lay.recompute == "full" else 1
@@ -156,7 +157,7 @@ def stage_times(cm, lay: Layout, model, seq_len: int, dtype: str, bw: Bandwidths
         st.f, st.b, st.w = st.f + head.f, st.b + head.b_in, st.w + head.w
         st.compute += head.total
     z3 = layers * _zero3_seconds(lay, unit_params, bw, dtype, lt.f, lt.b_in + lt.r + lt.w)
-    if lay.zero == 3 and lay.dp > 1:
+    if lay.zero == 3 and lay.dp > 1 and not gathers_per_step(lay.zero, lay.dp, lay.pp):
         first_gather = ring_factor("all_gather", lay.dp) * unit_params * DTYPE_BYTES[dtype] / (bw.dp * 1e9)
         embed = _zero3_seconds(lay, embed_params, bw, dtype, head.f if head else 0.0,
                                head.b_in + head.w if head else 0.0) if (first or last) else 0.0
@@ -178,19 +179,23 @@ def pipeline_seconds(lay: Layout, slowest: StageTimes, layers: int) -> tuple[flo
 
 def dp_seconds(lay: Layout, params_rank: float, bw: Bandwidths, dtype: str, bucket_bytes: float,
                backward_s: float) -> dict[str, float]:
-    """Exposed data-parallel seconds once per step for DDP, ZeRO-1 and ZeRO-2 (ZeRO-3's are per unit).
+    """Exposed data-parallel seconds once per step for DDP, ZeRO-1 and ZeRO-2 (ZeRO-3's are per unit), and
+    ZeRO-3 under a pipeline, which moves what ZeRO-1 does: its gather of the stage's weights before the
+    first micro-batch waits as ZeRO-1's after the step does, its one reduce-scatter hides in the last
+    micro-batch's backward.
 
     ``backward_s``: one micro-batch's backward on the stage, the window the gradient buckets hide in."""
     out = {"grad": 0.0, "gather": 0.0}
-    if lay.dp <= 1 or lay.zero == 3:
+    stage = 1 if gathers_per_step(lay.zero, lay.dp, lay.pp) else lay.zero
+    if lay.dp <= 1 or stage == 3:
         return out
     w = DTYPE_BYTES[dtype]
-    op = "all_reduce" if lay.zero == 0 else "reduce_scatter"
+    op = "all_reduce" if stage == 0 else "reduce_scatter"
     total = ring_factor(op, lay.dp) * params_rank * w / (bw.dp * 1e9)
     last = ring_factor(op, lay.dp) * min(bucket_bytes, params_rank * w) / (bw.dp * 1e9)
     hidden = overlapped(backward_s, total - last) + last
-    repeats = lay.num_microbatches if lay.zero == 2 else 1
+    repeats = lay.num_microbatches if stage == 2 else 1
     out["grad"] = repeats * hidden
-    if lay.zero in (1, 2):
+    if stage in (1, 2):
         out["gather"] = ring_factor("all_gather", lay.dp) * params_rank * w / (bw.dp * 1e9)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pyparallel.planner.memory import DTYPE_BYTES, zero_stage_of
+from pyparallel.planner.memory import DTYPE_BYTES, gathers_per_step, zero_stage_of
 
 
 def ring_factor(op: str, n: int) -> float:
@@ -52,14 +52,16 @@ class Phase:
 
 def dp_phases(params_rank: float, zero_stage: int, dp: int, dtype: str = "bf16", num_microbatches: int = 1,
               bucket_bytes: float = 25 * 2**20, layer_params: float = 0.0, ring: bool = True,
-              recompute: str = "none") -> list[Phase]:
+              recompute: str = "none", pp: int = 1) -> list[Phase]:
     """Data-parallel traffic of one step for DDP or a ZeRO stage (Rajbhandari et al. 2020, section 7).
 
     Gradient accumulation over m micro-batches keeps DDP and ZeRO-1 at one reduction per step (their
     full-size gradients accumulate locally), whereas ZeRO-2 must reduce-scatter every micro-batch (each
     rank keeps only its shard) and ZeRO-3 must also re-gather the weights for every forward and
     backward, so their volume grows with m. Under full recompute ZeRO-3 gathers a third time, for the
-    recomputed forward (module hooks fire again): 4Ψ per micro-batch instead of 3Ψ.
+    recomputed forward (module hooks fire again): 4Ψ per micro-batch instead of 3Ψ. Under a pipeline
+    (``pp`` > 1, ``memory.gathers_per_step``) ZeRO-3 gathers the stage's weights once per step and
+    reduce-scatter its accumulated gradients once: 2Ψ per step, whatever m and the recompute.
     """
     if dp <= 1:
         return []
@@ -79,6 +81,9 @@ def dp_phases(params_rank: float, zero_stage: int, dp: int, dtype: str = "bf16",
     if zero_stage == 2:
         return [Phase("grad reduce-scatter", "dp", f("reduce_scatter") * grads, m, "backward", bucket_bytes),
                 gather]
+    if gathers_per_step(zero_stage, dp, pp):
+        return [Phase("param all-gather (once per step)", "dp", f("all_gather") * weights, 1, "none"),
+                Phase("grad reduce-scatter", "dp", f("reduce_scatter") * grads, 1, "backward", bucket_bytes)]
     layer = layer_params * w
     first = f("all_gather") * layer  # the first layer's gather has nothing to hide behind
     out = [
@@ -128,7 +133,7 @@ def comm_bytes_per_step(num_params: float, strategy: str | int = "ddp", dp: int 
     ZeRO-3 moves 3Ψ·(N−1)/N.
     """
     stage = zero_stage_of(strategy)
-    phases = dp_phases(num_params, stage, dp, dtype, num_microbatches, ring=ring)
+    phases = dp_phases(num_params, stage, dp, dtype, num_microbatches, ring=ring, pp=pp)
     if tp > 1:
         phases += tp_phase(layers, seq_len, micro_batch, hidden, tp, num_microbatches, dtype, recompute, ring)
     if pp > 1:
