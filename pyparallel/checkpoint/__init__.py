@@ -5,15 +5,17 @@
 * :mod:`~pyparallel.checkpoint.protocol` — how a model or optimizer describes its pieces and takes them
   back (``checkpoint_pieces`` / ``load_checkpoint_pieces``, ZeRO, plain modules, torch optimizers).
 * :mod:`~pyparallel.checkpoint.store` — :func:`save` (atomic), :func:`load`, :func:`resolve`,
-  :func:`read_tensors`, :func:`export_consolidated`, :func:`complete_steps` / :func:`newest_complete`
-  (what to fall back to when ``latest`` is broken).
+  :func:`read_tensors`, :func:`complete_steps` / :func:`newest_complete` (what to fall back to when
+  ``latest`` is broken).
+* :mod:`~pyparallel.checkpoint.export` — :func:`export_pretrained` (a Hugging Face folder: shards, index,
+  config.json) and :func:`export_consolidated` (one file), streamed one tensor at a time.
 """
 
+from pyparallel.checkpoint.export import export_consolidated, export_pretrained
 from pyparallel.checkpoint.format import FORMAT, VERSION, CheckpointError, Piece, read_manifest
 from pyparallel.checkpoint.protocol import gather_full
 from pyparallel.checkpoint.store import (
     complete_steps,
-    export_consolidated,
     load,
     newest_complete,
     read_tensors,
@@ -21,5 +23,6 @@ from pyparallel.checkpoint.store import (
     save,
 )
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "Piece", "complete_steps", "export_consolidated", "gather_full",
-           "load", "newest_complete", "read_manifest", "read_tensors", "resolve", "save"]
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "Piece", "complete_steps", "export_consolidated",
+           "export_pretrained", "gather_full", "load", "newest_complete", "read_manifest", "read_tensors",
+           "resolve", "save"]

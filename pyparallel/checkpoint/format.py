@@ -17,6 +17,7 @@ asks for the pieces its current layout needs, and they are cut out of whatever p
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -121,22 +122,28 @@ def _box_view(full: torch.Tensor, offsets, shape, perm) -> torch.Tensor:
 def _place(out: torch.Tensor, rec: dict, data: torch.Tensor) -> None:
     """Write one saved piece's flat ``data`` into the global tensor ``out``."""
     box = _box_view(out, rec["box_offsets"], rec["box_shape"], rec.get("perm"))
+    if box.is_contiguous():  # a whole tensor or a leading-dimension block (ZeRO, row TP): write in place
+        box.view(-1)[rec["flat_start"]:rec["flat_start"] + rec["flat_len"]] = data.reshape(-1)
+        return
     tmp = box.contiguous().reshape(-1)
     tmp[rec["flat_start"]:rec["flat_start"] + rec["flat_len"]] = data.reshape(-1)
     box.copy_(tmp.view(box.shape))
 
 
 def _assemble(name: str, items) -> torch.Tensor:
-    """The global tensor ``name`` from ``(record, flat data)`` pairs; CheckpointError when pieces are missing."""
-    items = list(items)
-    rec0 = items[0][0]
+    """The global tensor ``name`` from ``(record, flat data)`` pairs; CheckpointError when pieces are missing.
+    ``items`` is consumed lazily (a generator reading one piece at a time keeps one piece in memory)."""
+    items = iter(items)
+    first = next(items)
+    rec0 = first[0]
     shape = tuple(rec0["global_shape"])
     dtype = getattr(torch, rec0["dtype"].replace("torch.", ""))
     out = torch.empty(shape, dtype=dtype)
     covered = 0
-    for rec, data in items:
+    for rec, data in itertools.chain([first], items):
         _place(out, rec, data)
         covered += rec["flat_len"]
+        del data
     if covered < out.numel():
         raise CheckpointError(f"checkpoint tensor {name!r} is only partly covered ({covered} of "
                               f"{out.numel()} elements)")

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pyparallel import comm
+from pyparallel.checkpoint.export import hf_config_of
 from pyparallel.checkpoint.format import (
     FORMAT,
     VERSION,
@@ -82,6 +83,7 @@ def save(root: str, model, optimizer=None, *, step: int, extra: dict | None = No
     what = f"checkpoint.save of step {step} into {root!r}"
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
     started = time.time()
+    hf_config = hf_config_of(model) if rank == 0 else None
     _kill_point("start")
     name = _exchange(group, what, "preparing the folder", lambda: _prepare(root, tmp, step) if rank == 0 else None)[0]
     _kill_point("prepared")
@@ -96,6 +98,8 @@ def save(root: str, model, optimizer=None, *, step: int, extra: dict | None = No
             "layout": _layout(mesh), "files": {}, "pieces": [],
             "optimizer_groups": _optimizer_groups(optimizer) if optimizer is not None else None,
         }
+        if hf_config is not None:  # export_pretrained writes it as config.json
+            manifest["hf_config"] = hf_config
         for recs, fs in everyone:
             manifest["pieces"].extend(recs)
             manifest["files"].update(fs)
@@ -316,13 +320,16 @@ class _Reader:
         recs = self.by_name.get(name)
         if not recs:
             raise CheckpointError(f"checkpoint has no tensor {name!r}")
-        items = []
-        for rec in recs:
-            with safe_open(os.path.join(self.folder, rec["file"]), framework="pt") as f:
-                items.append((rec, f.get_tensor(rec["key"])))
-        out = _assemble(name, items)
+        self._cache = None  # the previous tensor is not kept alive while this one is assembled
+        out = _assemble(name, self._read(recs))
         self._cache = (name, out)
         return out
+
+    def _read(self, recs):
+        for rec in recs:  # one piece at a time: _assemble places it before the next is read
+            with safe_open(os.path.join(self.folder, rec["file"]), framework="pt") as f:
+                data = f.get_tensor(rec["key"])
+            yield rec, data
 
     def piece(self, piece: Piece) -> torch.Tensor:
         """The data ``piece`` describes, cut from the saved global tensor (1-D, flat_len elements)."""
@@ -348,13 +355,3 @@ def read_tensors(root: str, prefix: str = "") -> dict[str, torch.Tensor]:
     folder = resolve(root)
     reader = _Reader(folder, read_manifest(folder))
     return {n: reader.full(n).clone() for n in sorted(reader.names()) if n.startswith(prefix)}
-
-
-def export_consolidated(root: str, out_file: str, prefix: str = "model/") -> list[str]:
-    """Write the model's full tensors of checkpoint ``root`` into one safetensors file (keys without the
-    ``model/`` prefix, as ``load_state_dict`` of the unparallelised model expects). Returns the keys."""
-    folder = resolve(root)
-    reader = _Reader(folder, read_manifest(folder))
-    tensors = {n[len(prefix):]: reader.full(n).clone() for n in sorted(reader.names()) if n.startswith(prefix)}
-    save_file(tensors, out_file)
-    return list(tensors)
