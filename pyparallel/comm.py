@@ -113,21 +113,32 @@ def new_group(ranks, name: str, timeout_s: float = DEFAULT_TIMEOUT_S, backend: s
     return Group(pg=pg, name=name, ranks=ranks, timeout_s=timeout_s, backend=backend, label=label)
 
 
-# Global rank -> (host name, pid), filled once per job by register_processes.
-_processes: dict[int, tuple[str, int]] = {}
+# Global rank -> (host name, machine key (see _machine), pid), filled once per job by register_processes.
+_processes: dict[int, tuple[str, str, int]] = {}
 
 
 def register_processes(group: Group) -> None:
     """Learn every rank's host and pid (one small all-gather over ``group``, the world), so that a lost
     connection can be blamed on the global rank that is gone."""
-    found = [(socket.gethostname(), os.getpid())] * group.size
+    found = [(socket.gethostname(), _machine(), os.getpid())] * group.size
     if group.size > 1:
         try:  # not counted in group.seq: the user's first collective stays call #1 in messages
             dist.all_gather_object(found, found[0], group=group.pg)
         except Exception as exc:
             raise _translate(exc, "all_gather_object", group, 0) from exc
-    for r, (host, pid) in zip(group.ranks, found):
-        _processes[r] = (host, int(pid))
+    for r, (host, machine, pid) in zip(group.ranks, found):
+        _processes[r] = (host, machine, int(pid))
+
+
+def _machine() -> str:
+    """Which pids this process can look up: the kernel's boot id and this pid namespace. Hostnames alone
+    can repeat across nodes (containers), and a pid means something only inside its own namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return socket.gethostname()
 
 
 def _running(pid: int) -> bool:
@@ -148,19 +159,27 @@ def _running(pid: int) -> bool:
 
 
 def _gone(group: Group) -> list[tuple[int, int]]:
-    """(global rank, pid) of the group's peers on this host that are no longer running."""
-    host, me = socket.gethostname(), dist.get_rank()
-    return [(r, _processes[r][1]) for r in group.ranks
-            if r != me and r in _processes and _processes[r][0] == host and not _running(_processes[r][1])]
+    """(global rank, pid) of the group's peers on this machine that are no longer running."""
+    machine, me = _machine(), dist.get_rank()
+    return [(r, _processes[r][2]) for r in group.ranks
+            if r != me and r in _processes and _processes[r][1] == machine and not _running(_processes[r][2])]
 
 
 def _blame_peers(group: Group) -> str:
     gone = _gone(group)
     if gone:
-        return "; ".join(f"global rank {r} (pid {pid} on this host) is no longer running" for r, pid in gone)
-    elsewhere = sorted({_processes[r][0] for r in group.ranks if r in _processes} - {socket.gethostname()})
+        me = socket.gethostname()
+        return "; ".join(f"global rank {r} (pid {pid} on {'this host' if _processes[r][0] == me else _processes[r][0]})"
+                         f" is no longer running" for r, pid in gone)
+    machine = _machine()
+    elsewhere: dict[str, list[int]] = {}
+    for r in group.ranks:
+        if r in _processes and _processes[r][1] != machine:
+            elsewhere.setdefault(_processes[r][0], []).append(r)
     if elsewhere:
-        return f"no peer on this host has died; peers on {', '.join(elsewhere)} may have"
+        where = ", ".join(f"{host} (global ranks {', '.join(map(str, ranks))})" for host, ranks in
+                          sorted(elsewhere.items()))
+        return f"no peer on this host has died; peers on {where} may have"
     return ""
 
 

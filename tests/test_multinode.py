@@ -1,0 +1,145 @@
+"""Two hosts for real: each torchrun "node" in its own network namespace with its own address, hostname and
+interface (tests/netns.py), rendezvous over c10d on node 0's address, gloo on the veth link. Parity with
+the same four ranks on one host (DDP, ZeRO-3, dp x tp; ``pyparallel train`` with a shared checkpoint
+folder), a node lost mid-run (its link cut, its processes killed: the survivors end by themselves with a
+named error within the collective timeout), and an elastic restart that resumes exactly. Skipped, with the
+reason, only where namespaces cannot be created (no root, no iproute2)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from netns import TwoHosts, unavailable
+from torchrun import result as _result
+
+from pyparallel.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "tests" / "multinode_worker.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TRAIN = [sys.executable, "-m", "pyparallel.cli", "train", "--batch", "8", "--seq", "16", "--lr", "3e-3",
+         "--no-progress"]
+
+_why = unavailable()
+pytestmark = pytest.mark.skipif(_why is not None, reason=f"two-host tests: {_why}")
+
+
+@pytest.fixture
+def hosts():
+    h = TwoHosts()
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _torchrun(hosts, node, port, argv, nnodes="2", extra=()):
+    """torchrun on ``node``: 2 local ranks, c10d rendezvous hosted by node 0 at its own address."""
+    return hosts.command(node, [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addr[0]}:{port}", "--rdzv-id", f"pp-{port}",
+        # The endpoint is an address, not the node's hostname: tell torchrun which node serves it, and
+        # which address this node is reached at (its hostname resolves to nothing on this test network).
+        "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", hosts.addr[node], *extra, *argv])
+
+
+def _start(hosts, node, port, argv, **kw):
+    return subprocess.Popen(_torchrun(hosts, node, port, argv, **kw), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=hosts.env(node, ENV), cwd=ROOT)
+
+
+def _both(hosts, argv, timeout=300):
+    port = free_port()
+    procs = [_start(hosts, node, port, argv) for node in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, out[-2000:] + err[-4000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            p.kill()
+    return outs
+
+
+def _one_host(argv, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+def test_ddp_zero3_and_dp_x_tp_across_two_hosts_equal_one_host(hosts):
+    strategies = "ddp,zero3,dp2xtp2"
+    outs = _both(hosts, [WORKER, strategies])
+    across = _result(next(o for o in outs if "RESULT " in o))
+    local = _result(_one_host([WORKER, strategies]))
+    assert across["hosts"] == ["node0", "node0", "node1", "node1"]  # really two hosts, ranks by node
+    for name in strategies.split(","):
+        assert len(across["losses"][name]) == 3
+        # Same ranks, same collectives in the same order: the same numbers, whatever the wire.
+        assert across["losses"][name] == local["losses"][name], name
+
+
+def _train(*args):
+    """``pyparallel train`` as torchrun runs it (``-m``: the package's CLI module), 3 steps of the tiny GPT."""
+    return ["-m", "pyparallel.cli", "train", *TRAIN[4:], *args]
+
+
+def test_pyparallel_train_across_two_hosts_with_a_shared_checkpoint_folder(hosts, tmp_path):
+    shared = str(tmp_path / "ckpt")  # one folder both nodes see: the normal cluster case
+    across = _result(next(o for o in _both(hosts, _train("--tp", "2", "--steps", "4", "--checkpoint-dir", shared))
+                          if "RESULT " in o))
+    whole = _result(_one_host(_train("--tp", "2", "--steps", "6")))
+    assert across["world_size"] == 4 and across["layout"] == {"dp": 2, "tp": 2, "pp": 1, "zero": 0}
+    assert across["losses"] == whole["losses"][:4]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000004"
+    # Resumed across the hosts from the shared folder: the uninterrupted run's next steps.
+    more = _both(hosts, _train("--tp", "2", "--steps", "6", "--checkpoint-dir", shared, "--resume"))
+    resumed = _result(next(o for o in more if "RESULT " in o))
+    assert resumed["start"] == 4 and resumed["losses"] == whole["losses"][4:]
+
+
+def _wait_for_steps(metrics: Path, n: int, procs, timeout=180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        for p in procs:
+            assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"{metrics} did not reach {n} steps in {timeout} s")
+
+
+def test_a_lost_node_ends_the_survivors_with_a_named_error_within_the_timeout(hosts, tmp_path):
+    metrics, limit = tmp_path / "metrics.jsonl", 20
+    port = free_port()
+    argv = _train("--steps", "100000", "--metrics", str(metrics))
+    env = {"PYPARALLEL_TIMEOUT": str(limit)}
+    procs = [subprocess.Popen(_torchrun(hosts, node, port, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**hosts.env(node, ENV), **env}, cwd=ROOT) for node in (0, 1)]
+    try:
+        _wait_for_steps(metrics, 3, procs)
+        hosts.cut(1)  # the partition first: node 1's sockets cannot even say goodbye
+        hosts.kill(1)
+        lost = time.monotonic()
+        out, err = procs[0].communicate(timeout=limit + 60)
+        took = time.monotonic() - lost
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode != 0
+    assert took <= limit + 30, took  # the collective timeout plus torchrun's shutdown, never a hang
+    # Each survivor names the collective it waited in, its group and the ranks of that group.
+    named = [ln for ln in err.splitlines() if "pyparallel.comm.Collective" in ln]
+    assert named, err[-3000:]
+    for line in named:
+        assert "on group 'dp' (global ranks [0, 1, 2, 3])" in line, line
+        # Node 1's ranks, by global rank and host: dead pids where this machine can see them (the test's
+        # hosts share a kernel), else the host that holds them.
+        dead = all(f"global rank {r} (pid " in line for r in (2, 3)) and "on node1) is no longer running" in line
+        assert dead or "peers on node1 (global ranks 2, 3) may have" in line, line
