@@ -236,6 +236,8 @@ def train(args) -> dict:
                                 clip_grad_norm=args.clip or None, offload_optimizer=args.offload)
     start = 0
     folder, note = resume_folder(args.checkpoint_dir) if args.resume else (None, None)
+    if args.resume:
+        _same_checkpoint_everywhere(mesh, args.checkpoint_dir, folder)
     if folder is not None:
         if note and mesh.rank == 0:
             print(f"pyparallel train: {note}", file=sys.stderr, flush=True)
@@ -264,6 +266,21 @@ def train(args) -> dict:
     return {"losses": losses, "start": start, "steps": args.steps, "world_size": mesh.world_size,
             "layout": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "zero": args.zero},
             "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None}
+
+
+def _same_checkpoint_everywhere(mesh, root: str, folder: str | None) -> None:
+    """Every rank must resume from the same checkpoint: a rank that sees another (or none) is on a node
+    whose --checkpoint-dir is not the shared folder the others see, and would silently train other steps."""
+    import socket
+
+    from pyparallel import comm
+
+    seen = comm.all_gather_object((os.path.basename(folder) if folder else None, socket.gethostname()),
+                                  mesh.world_group)
+    if len({name for name, _ in seen}) > 1:
+        found = "; ".join(f"rank {r} on {host}: {name or 'nothing'}" for r, (name, host) in enumerate(seen))
+        raise ValueError(f"--resume: the ranks do not see the same checkpoint under {root!r} ({found}); "
+                         f"--checkpoint-dir must be one folder shared by every node")
 
 
 def _progress(enabled: bool, start: int, total: int):

@@ -63,10 +63,13 @@ class TwoHosts:
         """The environment a cluster user sets on node ``node``: gloo on the cluster interface."""
         return {**base, "GLOO_SOCKET_IFNAME": self.ifname[node]}
 
-    def command(self, node: int, argv: list[str]) -> list[str]:
-        """``argv`` run on node ``node``: inside its namespace, under its own hostname."""
-        return ["ip", "netns", "exec", self.ns[node], "unshare", "--uts", "sh", "-c",
-                f'hostname {self.hostname[node]} && exec "$@"', "sh", *argv]
+    def command(self, node: int, argv: list[str], local: tuple[str, ...] = ()) -> list[str]:
+        """``argv`` run on node ``node``: inside its namespace, under its own hostname. Each folder in
+        ``local`` becomes node-local there (an empty tmpfs mounted over it in a private mount namespace):
+        the node sees its own disk at that path, as nodes without a shared filesystem do."""
+        mounts = "".join(f"mount -t tmpfs pp-local '{path}' && " for path in local)
+        return ["ip", "netns", "exec", self.ns[node], "unshare", "--uts", *(["--mount"] if local else []),
+                "sh", "-c", f'{mounts}hostname {self.hostname[node]} && exec "$@"', "sh", *argv]
 
     def pids(self, node: int) -> list[int]:
         out = _ip("netns", "pids", self.ns[node], check=False).stdout

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 from dataclasses import asdict
 
@@ -103,6 +104,11 @@ def save(root: str, model, optimizer=None, *, step: int, extra: dict | None = No
         for recs, fs in everyone:
             manifest["pieces"].extend(recs)
             manifest["files"].update(fs)
+        unseen = sorted(f for f in manifest["files"] if not os.path.exists(os.path.join(tmp, f)))
+        if unseen:  # written into a same-named folder that rank 0 does not see: another node's local disk
+            raise CheckpointError(f"rank 0 does not see {', '.join(unseen[:4])} that other ranks wrote into "
+                                  f"{tmp!r}: a checkpoint folder must be one directory shared by every node; "
+                                  f"node-local directories are not supported")
         _commit(root, tmp, name, step, manifest, started)
         return None
 
@@ -148,6 +154,10 @@ def _write_pieces(model, optimizer, tmp: str, rank: int) -> tuple[list, dict]:
         tensors[key] = flat.clone()
         records.append({**asdict(piece), "key": key, "file": fname, "dtype": str(flat.dtype)})
     files = {}
+    if tensors and not os.path.isdir(tmp):
+        raise CheckpointError(f"rank {rank} ({socket.gethostname()}) does not see the folder {tmp!r} that rank 0 "
+                              f"created: a checkpoint folder must be one directory shared by every node (a "
+                              f"network or parallel filesystem); node-local directories are not supported")
     if tensors:
         path = os.path.join(tmp, fname)
         save_file(tensors, path)
