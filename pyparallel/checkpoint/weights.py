@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from pyparallel.checkpoint.format import Piece
+from pyparallel.checkpoint.format import Piece, _numel
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -119,11 +119,21 @@ class WeightsReader:
         if shape != piece.global_shape:
             raise ValueError(f"{self.path}: tensor {key!r} has shape {shape}, the model expects "
                              f"{piece.global_shape}")
-        index = tuple(slice(o, o + s) for o, s in zip(piece.box_offsets, piece.box_shape))
+        offsets, sizes, start = list(piece.box_offsets), list(piece.box_shape), piece.flat_start
+        row = _numel(sizes[1:]) if sizes else 0
+        if not piece.perm and row > 0 and sizes[0] > 1:
+            # A flat range (a ZeRO shard) covers only some rows of its box: read those rows, not the box --
+            # otherwise every rank would read (and hold for a moment) the whole of a large tensor such as
+            # the embedding, of which it keeps a quarter.
+            first, last = start // row, -(-(start + piece.flat_len) // row)
+            offsets[0] += first
+            sizes[0] = max(last - first, 0)
+            start -= first * row
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         box = sl[index] if index else sl[:]
         if piece.perm:
             box = box.permute(*piece.perm)
-        return box.reshape(-1)[piece.flat_start:piece.flat_start + piece.flat_len]
+        return box.reshape(-1)[start:start + piece.flat_len]
 
 
 def check_keys(reader: WeightsReader, expected: dict[str, tuple[int, ...]], aliases: dict[str, str]) -> None:
