@@ -95,10 +95,11 @@ def test_zero3_checkpoint_exports_to_a_folder_from_pretrained_loads(kind, tmp_pa
         assert torch.equal(dict(again.named_parameters())[name].detach(), value), name
 
 
-def tp_body(root):
-    """GPT-2 at tp=2 through pyparallel.parallelize: a layout whose pieces are boxes, not flat ranges."""
-    mesh = pyparallel.init(tp=2)
-    pm = pyparallel.parallelize(hf_model("gpt2"), mesh, lr=LR)
+def layout_body(root, tp, pp):
+    """GPT-2 through pyparallel.parallelize at tp=2 (pieces are boxes, transposed for Conv1D, not flat
+    ranges) or pp=2 (each stage writes whole parameters, the tied embedding by its first stage)."""
+    mesh = pyparallel.init(tp=tp, pp=pp)
+    pm = pyparallel.parallelize(hf_model("gpt2"), mesh, lr=LR, num_microbatches=2 if pp > 1 else None)
     sl = pm.batch_slice(BATCH)
     for idx, tgt in batches(2, BATCH):
         pm.step(idx[sl], tgt[sl])
@@ -106,17 +107,19 @@ def tp_body(root):
     return pm.full_state_dict()
 
 
-def test_tensor_parallel_checkpoint_exports_with_a_given_config(tmp_path):
-    root = str(tmp_path / "tp")
-    full = run(tp_body, 2, root)[0]
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_tensor_and_pipeline_parallel_checkpoints_export(tp, pp, tmp_path):
+    root = str(tmp_path / "ckpt")
+    full = run(layout_body, 2, root, tp, pp)[0]
     out = tmp_path / "hf"
-    config = hf_model("gpt2").config
+    config = hf_model("gpt2").config  # given here; parallelize's model would have recorded it too
     checkpoint.export_pretrained(root, str(out), max_shard_size="20KB", config=config, dtype=torch.bfloat16)
     import transformers
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     assert loaded.dtype == torch.bfloat16
     state = dict(loaded.named_parameters())
+    assert set(state) == set(full)
     for name, value in full.items():
         assert torch.equal(state[name].detach(), value.to(torch.bfloat16)), name
 
