@@ -65,27 +65,40 @@ def initialize(model: nn.Module, device: torch.device, init=None) -> None:
             owners.append((name, module))
     empty_params(model, device)
     for name, module in owners:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed_of(name))
-            if init is not None:
-                init(name, module)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-            elif hf is not None:
-                hf(module)
-            else:
-                raise ValueError(f"module '{name}' ({type(module).__name__}) holds meta parameters and has no "
-                                 f"reset_parameters(): pass weights= (a safetensors file or Hugging Face folder) "
-                                 f"or init=callable(name, module) to initialise it")
+        init_one(name, module, init, hf)
     rebuild_buffers(model, device)
 
 
+def _cannot_init(name: str, module: nn.Module) -> ValueError:
+    return ValueError(f"module '{name}' ({type(module).__name__}) holds meta parameters and has no "
+                      f"reset_parameters(): pass weights= (a safetensors file or Hugging Face folder) "
+                      f"or init=callable(name, module) to initialise it")
+
+
+def init_one(name: str, module: nn.Module, init, hf) -> None:
+    """One module's initialisation (``init``, else ``reset_parameters()``, else the Hugging Face model's
+    ``_init_weights``) under the seed of its name, leaving the caller's random state as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed_of(name))
+        if init is not None:
+            init(name, module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        elif hf is not None:
+            hf(module)
+        else:
+            raise _cannot_init(name, module)
+
+
 @torch.no_grad()
-def rebuild_buffers(model: nn.Module, device: torch.device, loadable=frozenset()) -> None:
+def rebuild_buffers(model: nn.Module, device: torch.device, loadable=frozenset(), only=None) -> None:
     """Buffers still on meta get storage on ``device``; non-persistent ones are recomputed by a Hugging Face
-    model's ``_init_weights`` (persistent ones named in ``loadable`` are filled by the weights later)."""
+    model's ``_init_weights`` (persistent ones named in ``loadable`` are filled by the weights later).
+    ``only``: ids of the modules to consider (a pipeline stage's), None for all."""
     hf = _hf_init(model)
     for name, module in model.named_modules():
+        if only is not None and id(module) not in only:
+            continue
         meta = [b for b, t in module._buffers.items() if t is not None and t.is_meta]
         if not meta:
             continue
@@ -103,7 +116,157 @@ def rebuild_buffers(model: nn.Module, device: torch.device, loadable=frozenset()
 
 @torch.no_grad()
 def empty_like_meta(tensors, device: torch.device) -> None:
-    """Storage (uninitialised) for meta tensors whose values a loader writes next (frozen parameters)."""
+    """Storage (uninitialised) for meta parameters whose values a loader writes next (frozen parameters)."""
     for t in tensors:
         if t.is_meta:
-            t.data = torch.empty_like(t, device=device)
+            bind(t, torch.empty_like(t, device=device))
+
+
+def bind(p: nn.Parameter, tensor: torch.Tensor) -> None:
+    """Make ``tensor`` the data of parameter ``p``, in place: the same Python object, so ties (one Parameter
+    under several modules), names recorded by id and gradient hooks registered on it survive. ``p.data =``
+    refuses to move a tensor off the meta device, so a meta parameter swaps its implementation instead;
+    its gradient hooks live with the implementation and are installed again on the new one."""
+    if not p.is_meta:
+        p.data = tensor
+        return
+    hooks, post = p._backward_hooks, getattr(p, "_post_accumulate_grad_hooks", None)
+    torch.utils.swap_tensors(p, nn.Parameter(tensor, requires_grad=p.requires_grad))
+    if hooks:
+        p._backward_hooks = None
+        p._backward_hooks = hooks  # setting the dict registers it with the new implementation
+    if post:
+        p._post_accumulate_grad_hooks = None
+        p._post_accumulate_grad_hooks = post
+
+
+@torch.no_grad()
+def allocate(params, device: torch.device) -> None:
+    """Zero-filled storage on ``device`` for every distinct meta parameter of ``params``, in place (see
+    :func:`bind`). Zeros, not empty: rows no piece of the weights covers (TP vocabulary padding) must be zero."""
+    seen: set[int] = set()
+    for p in params:
+        if p.is_meta and id(p) not in seen:
+            seen.add(id(p))
+            bind(p, torch.zeros(p.shape, dtype=p.dtype, device=device))
+
+
+# ------------------------------------------------------------------------- the wrappers' one entry point
+
+
+def open_source(model, device: torch.device, weights=None, init=None):
+    """Where a wrapper's meta model gets its values, decided before anything changes and before any collective:
+    a checked ``checkpoint.weights.WeightsReader`` for ``weights`` (ValueError naming missing, unexpected and
+    mis-shaped tensors), an :class:`InitReader` for a meta model without weights, or None for a model with
+    real tensors (which the wrapper uses as it is). Both readers are read piece by piece by the wrappers' own
+    checkpoint loaders, so a sharded rank fills exactly its slices."""
+    if weights is not None:
+        if init is not None:
+            raise ValueError("pass weights= or init=, not both (init initialises a meta model that has no weights)")
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"weights= needs the model itself (the built-in GPT or a Hugging Face model), whose "
+                             f"parameter names the file uses, not a {type(model).__name__}")
+        from pyparallel.checkpoint.weights import open_weights
+
+        return open_weights(weights, model)
+    params = list(model.parameters()) if isinstance(model, nn.Module) else []
+    meta = sum(p.is_meta for p in params)
+    if not meta:
+        if init is not None:
+            raise ValueError("init= only applies to a model built on the meta device (this one has real tensors)")
+        return None
+    if meta != len(params):
+        raise ValueError(f"{meta} of the model's {len(params)} parameters are on the meta device and the others are "
+                         f"not: build the whole model on the meta device (and pass weights= or init=), or none of it")
+    return InitReader(model, device, init)
+
+
+def loadable(model, reader) -> set:
+    """Names of the persistent buffers (and parameters) that ``reader`` fills; the other meta buffers are
+    recomputed (:func:`rebuild_buffers`)."""
+    if reader is None or isinstance(reader, InitReader):
+        return set()
+    from pyparallel.checkpoint.weights import expected_of
+
+    return set(expected_of(model)[0])
+
+
+@torch.no_grad()
+def load_in_place(wrapper, reader, device: torch.device) -> None:
+    """Zero storage for the meta parameters a wrapper holds on this rank (its TP shards, its pipeline stage,
+    a replica) and their values from ``reader``, piece by piece (``checkpoint.modules.load_module``: each
+    piece is a box of the unsplit tensor, so a TP rank reads only its rows or columns; vocabulary padding
+    rows are in no piece and stay zero)."""
+    from pyparallel.checkpoint.modules import describe_model, load_module
+
+    infos, *_ = describe_model(wrapper)
+    allocate([p for _, p in infos], device)
+    load_module(wrapper, reader)
+
+
+class InitReader:
+    """The reader of a meta model without weights: ``WeightsReader``'s calls (``names``, ``has``, ``full``,
+    ``piece``), each tensor computed by initialising the module that holds it first (registration order, as
+    :func:`initialize` does) at full size under ``seed_of(its name)``, with ``init(name, module)``, else its
+    ``reset_parameters()``, else the Hugging Face model's ``_init_weights``. The module gets fresh full-size
+    parameters for the call only, so the model's own (meta, or this rank's shard) are never touched, and only
+    the last module's tensors are kept: a sharded rank holds its slices plus one module in flight, and its
+    slices are exactly those of the one-process :func:`initialize` split afterwards. ``init`` must set only
+    the module's own parameters (not its children's). Built before the model is split: it keeps the original
+    modules (on meta, no memory)."""
+
+    prefix = "model/"
+
+    def __init__(self, model: nn.Module, device: torch.device, init=None):
+        self.path = "the initialisation of the meta model"
+        self.device, self.init, self.hf = device, init, _hf_init(model)
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        self._owner: dict[str, tuple[str, nn.Module, str]] = {}  # parameter name -> (module name, module, attr)
+        self._attrs: dict[str, list[str]] = {}  # module name -> the attributes of the parameters it holds first
+        seen: set[int] = set()
+        for name, module in model.named_modules():
+            mine = [(a, p) for a, p in module._parameters.items() if p is not None and id(p) not in seen]
+            seen.update(id(p) for _, p in mine)
+            if not mine:
+                continue
+            if init is None and not hasattr(module, "reset_parameters") and self.hf is None:
+                raise _cannot_init(name, module)  # before the wrapper changes anything
+            for attr, p in mine:
+                self._owner[canonical[id(p)]] = (name, module, attr)
+            self._attrs[name] = [a for a, _ in mine]
+        self._cached: tuple[str | None, dict] = (None, {})
+
+    def names(self):
+        return [self.prefix + n for n in self._owner]
+
+    def has(self, name: str) -> bool:
+        return name.startswith(self.prefix) and name[len(self.prefix):] in self._owner
+
+    @torch.no_grad()
+    def full(self, name: str) -> torch.Tensor:
+        owner, module, attr = self._owner[name[len(self.prefix):]]
+        if self._cached[0] != owner:
+            self._cached = (None, {})  # the previous module's tensors go first
+            attrs = self._attrs[owner]
+            saved = {a: module._parameters[a] for a in attrs}
+            try:
+                for a, p in saved.items():
+                    module._parameters[a] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
+                                                         requires_grad=p.requires_grad)
+                init_one(owner, module, self.init, self.hf)
+                values = {a: module._parameters[a].detach() for a in attrs}
+            finally:
+                module._parameters.update(saved)
+            self._cached = (owner, values)
+        return self._cached[1][attr]
+
+    def piece(self, piece) -> torch.Tensor:
+        """The piece's flat data: its box of the initialised tensor, permuted, then the range."""
+        full = self.full(piece.name)
+        if tuple(full.shape) != tuple(piece.global_shape):
+            raise ValueError(f"{piece.name}: initialised with shape {tuple(full.shape)}, the layout expects "
+                             f"{tuple(piece.global_shape)}")
+        box = full[tuple(slice(o, o + s) for o, s in zip(piece.box_offsets, piece.box_shape))]
+        if piece.perm:
+            box = box.permute(*piece.perm)
+        return box.reshape(-1)[piece.flat_start:piece.flat_start + piece.flat_len]

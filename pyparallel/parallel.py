@@ -9,7 +9,8 @@ mesh, in one call.
     # or, for a Hugging Face causal LM, its own convention (unshifted labels, padding mask):
     loss = model.step(ids, labels=labels, attention_mask=mask)
 
-What happens to the model, in order (every rank builds the same full model first):
+What happens to the model, in order (every rank builds the same full model first, or the same model on
+the meta device with ``weights=`` / ``init=``: then no rank ever holds more than its pieces):
 
 1. Tensor parallelism (Shoeybi et al. 2019) inside each stage: ``tensor_parallel.parallelize`` swaps the
    layers for column/row/vocabulary-parallel ones over ``mesh.tp_group`` (built-in plans for the GPT,
@@ -36,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from pyparallel import amp
+from pyparallel import amp, materialize
 from pyparallel.combined.layout import describe, tp_owners
 from pyparallel.combined.pipe import StagePipeline
 from pyparallel.data_parallel.ddp import check_same_signature
@@ -89,11 +90,12 @@ def _scaled(loss_fn, scaler):
 
 
 def _tensor_parallel(model, mesh, tp_plan, loss_fn):
-    """Split the layers over the TP group (when tp > 1); returns the loss function to use."""
+    """Split the layers over the TP group (when tp > 1; tensors on meta stay there, for the engine to load);
+    returns the loss function to use."""
     if mesh.tp > 1:
-        from pyparallel.tensor_parallel import parallelize as tp_parallelize
+        from pyparallel.tensor_parallel.parallelize import split
 
-        tp_parallelize(model, mesh, plan=tp_plan)
+        split(model, mesh, plan=tp_plan)
         if loss_fn is None and "vocab_head" in model._pyparallel_tp["plan"].styles.values():
             return _vocab_loss(mesh.tp_group)  # the logits stay split by vocabulary
     if loss_fn is None:
@@ -147,7 +149,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
                 optimizer=torch.optim.AdamW, lr: float | None = None, param_groups=None,
                 clip_grad_norm: float | None = None, offload_optimizer: bool = False, tp_plan: dict | None = None,
                 loss_fn=None, bucket_cap_mb: float = 25.0, loss_scaler: amp.DynamicLossScaler | None = None,
-                activation_checkpointing: bool = False, nonfinite: str = "raise",
+                activation_checkpointing: bool = False, nonfinite: str = "raise", weights=None, init=None,
                 **optimizer_kwargs) -> ParallelModel:
     """Parallelize ``model`` over ``mesh`` (dp x tp x pp) and build its optimizer; see the module doc.
 
@@ -169,6 +171,14 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
         loss_fn: ``loss_fn(outputs, targets)`` (mean over the micro-batch); default: token cross-entropy
             (vocabulary-parallel under TP).
         nonfinite: "raise" (default), "skip" or "ignore" a step whose gradients hold inf/NaN (see zero.setup).
+        weights: a safetensors file or Hugging Face folder (the model's own names) to load; the model may be
+            built on the meta device. It is split (TP, PP) on meta and each rank reads only its pieces: its
+            stage's tensors, their TP rows / columns, and under ZeRO its DP shard of those (ZeRO-3 allocates
+            no whole weight before the first step's gather). Keys and shapes are a ValueError before any
+            collective.
+        init: for a meta model without ``weights``: ``init(name, module)`` (default: ``reset_parameters()``)
+            on one full-size module at a time under ``materialize.seed_of(name)``, each rank keeping its
+            pieces: the values of the same initialisation in one process (``pyparallel.materialize``).
     """
     kwargs = dict(optimizer_kwargs)
     if lr is not None:
@@ -185,6 +195,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
     if loss_scaler is not None and compute != torch.float16:
         raise ValueError("loss_scaler only applies with param_dtype=torch.float16")
     signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    reader = materialize.open_source(model, mesh.device, weights, init)  # before the model changes
+    source = (reader, materialize.loadable(model, reader))
     scaler = (loss_scaler or amp.DynamicLossScaler()) if compute == torch.float16 else None
     loss_fn = _tensor_parallel(model, mesh, tp_plan, loss_fn)
     owners = tp_owners(model)
@@ -199,7 +211,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
     check_same_signature(signature, mesh.world_group, "parallelize")
     pipe = StagePipeline(model, mesh, schedule=schedule, num_microbatches=m, virtual_stages=virtual_stages,
                          loss_fn=loss_fn, reduce_dp_grads=False,
-                         activation_checkpointing=activation_checkpointing)
+                         activation_checkpointing=activation_checkpointing, source=source)
     ties = pipe.tie_groups()
     named = _local_params(pipe, infos, ties, mesh)
     world = mesh.dp if zero_stage >= 1 else 1
@@ -216,7 +228,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
                          tie_groups=tie_groups, dp_owner=mesh.dp_rank == 0, scaler=scaler)
     if compute != module_dtype:
         pipe.retype(compute)
-    return ParallelModel(model, mesh, pipe, engine, policy, buffer_names)
+    parallel = ParallelModel(model, mesh, pipe, engine, policy, buffer_names)
+    if reader is not None:  # each rank's masters (and frozen parameters) piece by piece, then its weights
+        parallel.load_checkpoint_pieces(reader, {})
+    return parallel
 
 
 class ParallelModel:

@@ -14,11 +14,27 @@ from __future__ import annotations
 
 import torch
 
+from pyparallel import materialize
 from pyparallel.pipeline_parallel.engine import PipelineParallel
 
 
 class StagePipeline(PipelineParallel):
-    """``PipelineParallel`` whose tied gradients are reduced by the DP engine (see the module doc)."""
+    """``PipelineParallel`` whose tied gradients are reduced by the DP engine (see the module doc).
+
+    ``source``: ``(reader, buffer names)`` from ``materialize.open_source``, opened by ``parallelize`` on the
+    unsplit model; the stage then rebuilds its buffers and frozen parameters, and leaves its trainable ones on
+    meta for the DP engine, which allocates only what its ZeRO stage keeps and loads them from the reader."""
+
+    def __init__(self, *args, source=None, **kwargs):
+        self._source = source or (None, set())
+        super().__init__(*args, **kwargs)
+
+    def _open_source(self, model, mesh, weights, init):
+        return self._source
+
+    def _materialize(self, model, reader, buffers) -> None:
+        materialize.rebuild_buffers(model, self.mesh.device, buffers, only=self._local_modules())
+        materialize.empty_like_meta([p for p in self.parameters() if not p.requires_grad], self.mesh.device)
 
     def _reduce_tied(self) -> None:
         return None  # ShardEngine.finish_reductions sums tied weights over their stages, on its own buffers

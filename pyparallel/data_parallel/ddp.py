@@ -84,14 +84,25 @@ class DataParallel(nn.Module):
         broadcast_buffers: copy buffers from DP rank 0 at every forward (as torch DDP does).
         reduce_dtype: reduce gradients in this dtype (e.g. torch.float32 for a bf16 model; gloo sums
             bf16 in bf16). Default: the gradient dtype.
+        weights: a safetensors file or Hugging Face folder (the module's own names) that every replica loads
+            whole; the module may be built on the meta device. Keys and shapes are a ValueError before any
+            collective.
+        init: for a meta module without ``weights``: ``init(name, module)`` (default: ``reset_parameters()``)
+            under ``materialize.seed_of(name)``, as ``pyparallel.materialize`` documents.
     """
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, bucket_cap_mb: float = 25.0, *,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, weights=None, init=None):
         super().__init__()
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        from pyparallel import materialize
+
+        reader = materialize.open_source(module, mesh.device, weights, init)  # before any collective
+        if reader is not None:  # a replica holds every tensor whole
+            materialize.rebuild_buffers(module, mesh.device, materialize.loadable(module, reader))
+            materialize.load_in_place(module, reader, mesh.device)
         self.module = module
         self.mesh = mesh
         self.group = mesh.dp_group
@@ -100,7 +111,8 @@ class DataParallel(nn.Module):
         self.reduce_dtype = reduce_dtype
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         check_same_parameters(list(module.named_parameters()), self.group)
-        broadcast_tensors([p for _, p in module.named_parameters()] + list(module.buffers()), self.group)
+        if reader is None:  # loaded replicas read the same values already
+            broadcast_tensors([p for _, p in module.named_parameters()] + list(module.buffers()), self.group)
         self.buckets: list[Bucket] = build_buckets(named, int(bucket_cap_mb * 2**20))
         for b in self.buckets:
             if reduce_dtype is not None and reduce_dtype != b.buffer.dtype:

@@ -28,7 +28,7 @@ from collections import deque
 import torch
 import torch.nn as nn
 
-from pyparallel import _ops, comm
+from pyparallel import _ops, comm, materialize
 from pyparallel.data.split import microbatches
 from pyparallel.data_parallel.ddp import broadcast_tensors
 from pyparallel.pipeline_parallel import partition, schedules
@@ -51,12 +51,22 @@ class PipelineParallel:
     bubbles; see ``split.py``). ``loss_fn(outputs, targets)`` returns the mean over ``count_fn(targets)``
     terms (default: token cross-entropy for language models, required otherwise). ``boundaries``: the
     ``p * v + 1`` block indices where chunks start (default: balanced by parameter count).
+
+    A model built on the meta device (the built-in GPT or a Hugging Face causal LM) is split into chunks on
+    meta, and each stage gives storage and values only to its own chunks' tensors: from ``weights`` (a
+    safetensors file or Hugging Face folder, under the model's own names, e.g.
+    ``model.layers.0.self_attn.q_proj.weight``; a weight tied across stages, the embedding and the LM head,
+    is read by each stage holding it) or, without weights, from ``init(name, module)`` (default: each
+    module's ``reset_parameters()``) under ``materialize.seed_of(name)``, as ``pyparallel.materialize``
+    documents: the values of the same initialisation in one process. Keys and shapes are checked (ValueError
+    naming the tensors) before any collective; meta buffers (rotary ``inv_freq``) are rebuilt.
     """
 
     def __init__(self, model_or_blocks, mesh, *, schedule: str = "1f1b", num_microbatches: int | None = None,
                  virtual_stages: int = 1, loss_fn=None, count_fn=None, boundaries=None,
                  activation_checkpointing: bool = False, reduce_dp_grads: bool = True,
-                 track_activation_memory: bool = False):
+                 track_activation_memory: bool = False, weights=None, init=None):
+        reader, buffers = self._open_source(model_or_blocks, mesh, weights, init)  # before any collective
         blocks, default_loss = partition.to_blocks(model_or_blocks)
         # Conventions the model supports (see step): HF's unshifted labels for language models (the ones
         # with a token cross-entropy default), an attention mask for HF decoder layers.
@@ -80,16 +90,53 @@ class PipelineParallel:
         self.reduce_dp_grads = reduce_dp_grads
         self._meta_blocks = meta_copy(blocks)
         self.chunks = {c: Chunk(blocks[self.bounds[c]:self.bounds[c + 1]], c, self.bounds[c],
-                                activation_checkpointing).to(mesh.device)
+                                activation_checkpointing)
                        for c in range(self.num_chunks) if self.stage_of(c) == self.rank}
         self._p2p_groups = self._make_p2p_groups()
         self._tied = self._make_tied_groups(partition.tied_parameters(blocks, self.bounds, self.p, self.stage_of))
-        self._sync_initial_weights()
+        if reader is not None:
+            self._materialize(model_or_blocks, reader, buffers)
+        for chunk in self.chunks.values():
+            if not materialize.has_meta(chunk):  # tensors left on meta are given storage by their loader
+                chunk.to(mesh.device)
+        if reader is None:  # loaded stages and replicas all read the same values already
+            self._sync_initial_weights()
         self._meter = SavedTensorMeter(exclude=self.parameters()) if track_activation_memory else None
         self._plans: dict[int, tuple] = {}
         self._shapes: dict[tuple, list | None] = {}
         self._stats = StageStats()
         self._last_m: int | None = None
+
+    # ----------------------------------------------------------------------- meta models, weights
+
+    @staticmethod
+    def _open_source(model, mesh, weights, init):
+        """The reader this stage's tensors come from (``materialize.open_source``) and the buffer names it
+        fills; a block list has no model names to read weights under."""
+        if isinstance(model, (list, tuple, nn.Sequential, nn.ModuleList)):
+            if weights is not None or init is not None or any(
+                    t.is_meta for b in model if isinstance(b, nn.Module) for t in [*b.parameters(), *b.buffers()]):
+                raise ValueError("a block list or nn.Sequential cannot be built from weights= / init= nor left on "
+                                 "the meta device: pass the built-in GPT or a Hugging Face causal LM (whose own "
+                                 "parameter names the weights use), or blocks with real tensors")
+            return None, set()
+        reader = materialize.open_source(model, mesh.device, weights, init)
+        return reader, materialize.loadable(model, reader)
+
+    def _local_modules(self) -> set[int]:
+        """ids of the modules this stage runs: its chunks' and those a block keeps unregistered (the rotary
+        embedding an HF decoder layer shares)."""
+        out = set()
+        for chunk in self.chunks.values():
+            for m in chunk.modules():
+                out.add(id(m))
+                out.update(id(x) for v in vars(m).values() if isinstance(v, nn.Module) for x in v.modules())
+        return out
+
+    def _materialize(self, model, reader, buffers) -> None:
+        """Storage and values for this stage's tensors only (the other stages' stay on meta)."""
+        materialize.rebuild_buffers(model, self.mesh.device, buffers, only=self._local_modules())
+        materialize.load_in_place(self, reader, self.mesh.device)
 
     # --------------------------------------------------------------------------------- parameters
 

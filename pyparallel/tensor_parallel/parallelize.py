@@ -87,8 +87,39 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, mesh, plan: dict | None = None, *, sequence_parallel: bool = False,
-                attention_fixes: dict | None = None, vocab_multiple: int | None = 64) -> nn.Module:
+                attention_fixes: dict | None = None, vocab_multiple: int | None = 64, weights=None,
+                init=None) -> nn.Module:
     """Replace ``model``'s layers by tensor-parallel ones over ``mesh.tp_group``, in place; returns ``model``.
+    The splitting (plans, styles, vocabulary padding, sequence parallelism): see :func:`split`.
+
+    A model built on the meta device (``with torch.device("meta"): ...``) is split while still on meta, then
+    this rank's shards get storage and values: from ``weights`` (a safetensors file or Hugging Face folder,
+    the model's own names; each rank reads only its rows / columns of each tensor, each section of a fused
+    'qkv' layer separately, through ``safe_open.get_slice``) or, without weights, by ``init(name, module)``
+    (default: each module's ``reset_parameters()``) run on one full-size module at a time under
+    ``materialize.seed_of(name)``, keeping this rank's slices: the same shards as initialising the whole model
+    in one process and splitting it. Missing, unexpected or mis-shaped tensors are a ValueError naming them
+    before anything changes. Vocabulary padding rows stay zero; meta buffers (rotary ``inv_freq``) are
+    rebuilt. ``weights`` also loads into a model with real tensors (after the split)."""
+    from pyparallel import materialize
+
+    reader = None  # (a model with real tensors: split as it is, and the mesh needs no device)
+    if weights is not None or init is not None or materialize.has_meta(model):
+        reader = materialize.open_source(model, mesh.device, weights, init)  # checked before anything changes
+    buffers = materialize.loadable(model, reader)
+    split(model, mesh, plan, sequence_parallel=sequence_parallel, attention_fixes=attention_fixes,
+          vocab_multiple=vocab_multiple)
+    if reader is not None:
+        materialize.rebuild_buffers(model, mesh.device, buffers)
+        materialize.load_in_place(model, reader, mesh.device)
+    return model
+
+
+def split(model: nn.Module, mesh, plan: dict | None = None, *, sequence_parallel: bool = False,
+          attention_fixes: dict | None = None, vocab_multiple: int | None = 64) -> nn.Module:
+    """Replace ``model``'s layers by tensor-parallel ones over ``mesh.tp_group``, in place; returns ``model``.
+    Tensors on the meta device stay there (their shards too): :func:`parallelize` and the other wrappers
+    give them values.
 
     ``plan`` maps module-name patterns to styles (names or ``Style`` objects, see
     :mod:`pyparallel.tensor_parallel.plans`); None picks the built-in plan for the built-in GPT, Hugging Face

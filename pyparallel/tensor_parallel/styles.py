@@ -343,8 +343,14 @@ class Vocab(Style):
 
     def build(self, name, module, ctx):
         scale = getattr(module, "embed_scale", None) if self.scaled else None
+        if torch.is_tensor(scale) and scale.is_meta and isinstance(getattr(module, "scalar_embed_scale", None),
+                                                                   (int, float)):
+            # a meta model: the value transformers gives the buffer, so the split layer needs no rebuild
+            scale = torch.tensor(module.scalar_embed_scale, dtype=scale.dtype)
         new = VocabParallelEmbedding.from_embedding(module, ctx.mesh, name=name, scale=scale,
                                                     padded_size=ctx.padded_vocab(module.num_embeddings))
+        if new.embed_scale is not None and new.embed_scale.is_meta and torch.is_tensor(scale) and not scale.is_meta:
+            new.embed_scale = scale.to(ctx.mesh.device)
         ctx.shards[id(module.weight)] = new.weight
         return new
 

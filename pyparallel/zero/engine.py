@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from pyparallel import comm
+from pyparallel import comm, materialize
 from pyparallel.amp import DynamicLossScaler
 from pyparallel.zero import groups as groups_mod
 from pyparallel.zero.flat_param import FlatLayout, ShardSpace, alloc_storage, free_storage
@@ -160,7 +160,7 @@ class ShardEngine:
         del full
         for lay, flat in zip(self.layouts, self.flats):
             for p, view in zip(lay.params, lay.views(flat)):
-                p.data = view
+                materialize.bind(p, view)  # a meta parameter (weights loaded next) gets its storage here
         self.gathered = self.stage != 3
         if self.stage == 3:
             for flat in self.flats:
