@@ -14,6 +14,12 @@ Two sources of values:
 
 Buffers are rebuilt, not left on meta: persistent ones come from the weights when the file has them;
 non-persistent ones (rotary ``inv_freq``) are recomputed by the Hugging Face model's ``_init_weights``.
+
+``zero.setup`` calls :func:`initialize` on the whole model. The other wrappers (``tensor_parallel.parallelize``,
+``PipelineParallel``, ``pyparallel.parallelize``, ``DataParallel``) call :func:`open_source` first, split the
+model on meta, and fill what the rank keeps piece by piece through their checkpoint loaders, from the weights
+or from an :class:`InitReader`, which runs the same seeded initialisation on one full-size module at a time:
+a rank's shards are then exactly the slices of the one-process :func:`initialize`.
 """
 
 from __future__ import annotations

@@ -199,6 +199,22 @@ def test_tensor_parallel_init_equals_one_process_init(kind, custom):
     run(tp_init_body, 2, kind, {n: p.detach() for n, p in model.named_parameters()}, custom)
 
 
+def sp_body(path, ref):
+    """Sequence parallelism registers gradient hooks on parameters (LayerNorms and row biases see 1/t of the
+    tokens: their gradients are all-reduced); on a meta model they are registered before the parameters get
+    storage and must survive it."""
+    mesh = pyparallel.init(tp=2)
+    model = tp_parallelize(make("gpt", meta=True), mesh, sequence_parallel=True, weights=path)
+    losses = tp_train("gpt", model)
+    check_close(losses, full_parameters(model), ref, "gpt", "gpt tp=2 sp")
+    return True
+
+
+def test_tensor_parallel_sequence_parallel_hooks_survive_materialization(tmp_path):
+    path = write("gpt", str(tmp_path / "gpt"))
+    run(sp_body, 2, path, reference("gpt", path))
+
+
 # -------------------------------------------------------------------------------------- pipeline parallel
 
 M = 2  # micro-batches

@@ -2,8 +2,9 @@
 by the Megatron layers of :mod:`pyparallel.tensor_parallel.layers`, slicing the existing full weights so
 the parallel model computes the same function as the original (Shoeybi et al. 2019).
 
-Every rank must hold the same full model (same seed or checkpoint) when it calls ``parallelize``; it does
-no communication. Sizes t does not divide are reported before anything changes.
+Every rank must hold the same full model (same seed or checkpoint) when it calls ``parallelize``, or the same
+model on the meta device, whose shards then come from ``weights=`` or ``init=``; it does no communication.
+Sizes t does not divide are reported before anything changes.
 """
 
 from __future__ import annotations
