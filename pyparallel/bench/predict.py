@@ -52,7 +52,9 @@ def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int,
     act = pmem.stage_activation_bytes(model, seq, micro, tp, pp, stage, layers, m, spec.schedule, v,
                                       recompute=ATTENTION_AS, dtype=DTYPE)
     p2p = micro * seq * model.hidden * pmem.DTYPE_BYTES[DTYPE]
-    buffers = pmem.buffer_bytes(params_rank, model.layer_params() / tp, spec.zero, dp, DTYPE, BUCKET_MB, p2p, pp)
+    root = (model.embedding_params() + model.head_params()) / tp
+    buffers = pmem.buffer_bytes(params_rank, model.layer_params() / tp, spec.zero, dp, DTYPE, BUCKET_MB, p2p, pp,
+                                root)
     phases = traffic.dp_phases(params_rank, spec.zero, dp, DTYPE, m, BUCKET_MB * 2**20, pp=pp)
     phases += traffic.tp_phase(layers, seq, micro, model.hidden, tp, m, DTYPE)
     phases += traffic.pp_phase(seq, micro, model.hidden, pp, m, tp, dtype=DTYPE, virtual_stages=v)
