@@ -6,6 +6,10 @@ default would predict the same 16 bytes per parameter but half the activations a
 the planner's :class:`~pyparallel.planner.ModelSpec` of the built-in GPT's shape; a rank's parameters are
 its pipeline stage's share (embeddings on the first, final norm and a copy of the tied head on the last)
 divided by tp, as in the planner's search.
+
+On top of the planner's model states, activations and buffers, a rank built by ``pyparallel.parallelize``
+(TP, PP) holds one transient of the vocabulary matrix at its peak (:func:`vocab_transient_bytes`), measured
+on CPU (benchmarks/memory.py, 152.8M GPT) and not part of ``plan``'s search, whose results stay as published.
 """
 
 from __future__ import annotations
@@ -33,12 +37,39 @@ def model_spec(cfg) -> ModelSpec:
                      tied=cfg.tie_embeddings, bias=cfg.bias, default_seq_len=cfg.block_size)
 
 
+def vocab_transient_bytes(spec, model: ModelSpec, seq: int, micro: int, stage: int) -> float:
+    """What a ``pyparallel.parallelize`` rank holding the embedding or the LM head keeps for a moment beyond
+    its states and saved activations, at the larger of two instants (never both at once):
+
+    * backward: the vocabulary matrix's dense gradient, V·h/t elements, computed whole (the LM head's
+      ``dY^T X``, the embedding's scatter of its rows) before autograd adds it into the engine's preallocated
+      flat gradient, which already counts in the states (a plain torch run lets the first gradient become
+      ``.grad`` instead);
+    * forward of the loss, on the last stage: the logits beside the ones the planner's output term counts --
+      two more under TP (the vocabulary-parallel cross-entropy's shifted logits and their exponentials,
+      s·b·V/t each), one without (``F.cross_entropy``'s log-softmax).
+
+    Measured at 152.8M (batch 4 × 128, fp32): TP rank 1549 MiB = 1480 predicted without this + 98 (the two
+    loss copies); PP's last stage 1778 = 1608 + 147 + 23 (the head's gradient). 0 for the other rows
+    (ZeRO-3 without a pipeline counts its root unit's gradients in ``buffer_bytes`` already)."""
+    if spec.is_peer or (spec.tp == 1 and spec.pp == 1) or (spec.zero == 3 and spec.dp > 1 and spec.pp == 1):
+        return 0.0
+    w = pmem.DTYPE_BYTES[DTYPE]
+    tp, last = spec.tp, stage == spec.pp - 1
+    if stage != 0 and not last:
+        return 0.0
+    grad = model.vocab * model.hidden / tp * w
+    loss = (2 if tp > 1 else 1) * seq * micro * model.vocab / tp * w if last else 0.0
+    return max(grad, loss)
+
+
 def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int, on_cpu: bool) -> dict:
     """Planner figures for the rank on pipeline stage ``stage`` of ``spec``.
 
     ``model_state_bytes`` counts what lives in the memory the bench measures: on a CPU run that includes
     what ZeRO-Offload moves to host memory (the planner's ``cpu`` part), on a GPU run it does not.
-    ``peak_bytes`` is model states + activations + communication buffers (the planner's per-GPU total).
+    ``peak_bytes`` is model states + activations + communication buffers (the planner's per-GPU total)
+    + the vocabulary transient of a TP / PP rank (:func:`vocab_transient_bytes`).
     """
     model = model_spec(cfg)
     dp, tp, pp = spec.dp, spec.tp, spec.pp
@@ -59,11 +90,13 @@ def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int,
     phases += traffic.tp_phase(layers, seq, micro, model.hidden, tp, m, DTYPE)
     phases += traffic.pp_phase(seq, micro, model.hidden, pp, m, tp, dtype=DTYPE, virtual_stages=v)
     comm = traffic.summarize(phases)
+    transient = vocab_transient_bytes(spec, model, seq, micro, stage)
     return {
         "model_state_bytes": int(state_total),
         "activation_bytes": int(act["total"]),
         "buffer_bytes": int(buffers),
-        "peak_bytes": int(state_total + act["total"] + buffers),
+        "transient_bytes": int(transient),
+        "peak_bytes": int(state_total + act["total"] + buffers + transient),
         "comm_bytes_per_step": int(round(comm["total"])),
         "comm_by_axis": {k: int(round(comm[k])) for k in ("dp", "tp", "pp")},
         "bubble_fraction": bubble_fraction(pp, m, spec.schedule, v),
