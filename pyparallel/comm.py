@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -141,11 +142,17 @@ def _machine() -> str:
         return socket.gethostname()
 
 
+_PF_EXITING = 0x4  # the kernel's per-task flag (/proc/PID/stat field 9) for a task inside exit()
+
+
 def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie — dead, not yet reaped by its parent — is not)."""
+    """Whether ``pid`` is a live process. Not: a zombie (dead, not yet reaped by its parent), nor a process
+    already inside exit() -- the kernel closes a killed process's sockets (the reset its peers read) before
+    it turns into a zombie, so a survivor can look in that window."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0] not in ("Z", "X") and not int(fields[6]) & _PF_EXITING
     except FileNotFoundError:
         return False
     except OSError:  # no procfs (macOS): existence only
@@ -183,6 +190,16 @@ def _blame_peers(group: Group) -> str:
     return ""
 
 
+def _blame_lost_peer(group: Group, wait_s: float = 2.0) -> str:
+    """``_blame_peers`` for a connection a peer reset: the peer is dying or dead, so when none on this host
+    looks gone yet, look again for a moment (its exit may still be in progress) before blaming elsewhere."""
+    deadline = time.monotonic() + wait_s
+    while not _gone(group) and time.monotonic() < deadline and any(
+            r in _processes and _processes[r][1] == _machine() for r in group.ranks if r != dist.get_rank()):
+        time.sleep(0.05)
+    return _blame_peers(group)
+
+
 # ------------------------------------------------------------------------------------------ accounting
 
 
@@ -213,7 +230,7 @@ def _translate(exc: Exception, op: str, group: Group, seq: int) -> CollectiveErr
             f"in the same order (set PYPARALLEL_DEBUG=1 to compare them). Backend said: {first}"
         )
     if any(s in text.lower() for s in _PEER_LOST):
-        blame = _blame_peers(group) or "the peer's global rank could not be determined from here"
+        blame = _blame_lost_peer(group) or "the peer's global rank could not be determined from here"
         return CollectiveError(f"pyparallel: {where} failed: lost the connection to a peer: {blame}. "
                                f"Backend said: {first}")
     return CollectiveError(f"pyparallel: {where} failed: {text}")
