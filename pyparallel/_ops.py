@@ -180,6 +180,28 @@ def gelu_linear(z: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor
     return _GeluLinearRecompute.apply(z, bias, weight, approximate)
 
 
+def gelu_linear_forward(z: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor,
+                        approximate: str = "none") -> torch.Tensor:
+    """:func:`gelu_linear`'s forward alone, recording nothing for autograd: for callers that fuse it into
+    their own autograd function (the row-parallel layer sums its output in place) and pair it with
+    :func:`gelu_linear_backward`."""
+    with torch.no_grad():
+        if _gelu_linear_kernel(z.device):
+            return torch.ops.pyparallel.gelu_linear(z, bias, weight, approximate)
+        _warn_fallback("gelu_linear")
+        return gelu_linear_reference(z, bias, weight, approximate)
+
+
+def gelu_linear_backward(grad_out: torch.Tensor, z: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor,
+                         approximate: str, output_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_z, grad_bias, grad_weight) of :func:`gelu_linear_forward` from z alone (activation
+    recomputed); entries ``output_mask`` leaves out are empty."""
+    mask = [bool(m) for m in output_mask]
+    if _gelu_linear_kernel(z.device):
+        return torch.ops.pyparallel.gelu_linear_backward(grad_out.contiguous(), z, bias, weight, approximate, mask)
+    return gelu_linear_backward_reference(grad_out, z, bias, weight, approximate, mask)
+
+
 def _gelu_linear_setup(ctx, inputs, output):
     z, bias, weight, approximate = inputs
     ctx.save_for_backward(z, bias, weight)

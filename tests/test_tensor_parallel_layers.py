@@ -193,3 +193,102 @@ def test_vocab_parallel_cross_entropy(world):
     # Two all-reduces (the max; the sum-exp and target logit stacked) of b·s and 2·b·s floats, never b·s·v.
     assert stats[0] == {"calls": 2, "payload_bytes": 3 * B * S * 4,
                         "wire_bytes": round(3 * B * S * 4 * 2 * (world - 1) / world)}
+
+
+def _ref_linear(x, w, b, gy):
+    """Plain-torch output and gradients of x @ w.T + b for the output gradient gy."""
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    b = b.detach().clone().requires_grad_() if b is not None else None
+    y = F.linear(x, w, b)
+    y.backward(gy)
+    return y.detach(), x.grad, w.grad, (b.grad if b is not None else None)
+
+
+def overlap_body():
+    """The fused column/row functions (input-gradient reduction overlapped with the weight gradients,
+    products reduced in place) against plain torch at odd sizes, plain and sequence-parallel, b = 3 (the
+    rank-major copy) and b = 1 (a view); q/k/v as one group; and no tensor a user or autograd holds is
+    ever written."""
+    from pyparallel.tensor_parallel import copy_to_tp, reduce_from_tp
+    from pyparallel.tensor_parallel.layers import InputCache, column_parallel_group
+
+    mesh = pyparallel.init(tp=torch.distributed.get_world_size())
+    t, r, group = mesh.tp, mesh.tp_rank, mesh.tp_group
+    torch.manual_seed(7)  # the same full layers on every rank
+    gen = torch.Generator().manual_seed(7)
+    counts = {}
+    for b, sp in ((3, False), (3, True), (1, True)):
+        s, h = 3 * t, 7  # odd hidden size; per-rank widths 5, 3 and 3 (odd too)
+        x = torch.randn(b, s, h, generator=gen)
+        fulls = [nn.Linear(h, 5 * t), nn.Linear(h, 3 * t, bias=False), nn.Linear(h, 3 * t)]
+        gys = [torch.randn(b, s, f.out_features, generator=gen) for f in fulls]
+        refs = [_ref_linear(x, f.weight, f.bias, gy) for f, gy in zip(fulls, gys)]
+        gx = sum(ref[1] for ref in refs)
+        layers = [ColumnParallelLinear.from_linear(f, mesh, sequence_parallel=sp) for f in fulls]
+        xin = (chunk(x, t, r, 1) if sp else x).clone().requires_grad_()
+        before = xin.detach().clone()
+        mine = [chunk(gy, t, r, -1).clone() for gy in gys]
+        pyparallel.reset_comm_stats()
+        outs = column_parallel_group(layers, xin)
+        sum((o * g).sum() for o, g in zip(outs, mine)).backward()
+        counts[(b, sp)] = {k: v["calls"] for k, v in pyparallel.comm_stats()["by_op"].items()}
+        close(xin.detach(), before, rtol=0, atol=0)  # the user's input is never written
+        close(xin.grad, chunk(gx, t, r, 1) if sp else gx)
+        for layer, ref, out, f in zip(layers, refs, outs, fulls):
+            close(out, chunk(ref[0], t, r, -1))
+            close(layer.weight.grad, chunk(ref[2], t, r, 0))
+            if f.bias is not None:
+                close(layer.bias.grad, chunk(ref[3], t, r, 0))
+        # One layer alone, and through an input cache with a lone reader (it reduces, the entry passes).
+        for cache in (None, InputCache()):
+            layer = ColumnParallelLinear.from_linear(fulls[0], mesh, sequence_parallel=sp, input_cache=cache)
+            xin = (chunk(x, t, r, 1) if sp else x).clone().requires_grad_()
+            layer(xin).backward(mine[0])
+            close(xin.grad, chunk(refs[0][1], t, r, 1) if sp else refs[0][1])
+            close(layer.weight.grad, chunk(refs[0][2], t, r, 0))
+        # Row-parallel: the product summed in place (or reduce-scattered), the user's input untouched.
+        full = nn.Linear(5 * t, h)
+        xr = torch.randn(b, s, 5 * t, generator=gen)
+        gy = torch.randn(b, s, h, generator=gen)
+        y, gxr, gw, _ = _ref_linear(xr, full.weight, full.bias, gy)
+        row = RowParallelLinear.from_linear(full, mesh, sequence_parallel=sp)
+        xin = chunk(xr, t, r, -1).clone().requires_grad_()
+        before = xin.detach().clone()
+        g_in = (chunk(gy, t, r, 1) if sp else gy).clone()
+        g_before = g_in.clone()
+        out = row(xin)
+        out.backward(g_in)
+        close(out, chunk(y, t, r, 1) if sp else y)
+        close(xin.detach(), before, rtol=0, atol=0)
+        close(g_in, g_before, rtol=0, atol=0)
+        close(xin.grad, chunk(gxr, t, r, -1))
+        close(row.weight.grad, chunk(gw, t, r, 1))
+
+    # Aliasing: autograd hands one gradient tensor to both addends of y + u; f's backward must not
+    # reduce it in place (u.grad would be all-reduced too), nor the fused column layer's.
+    layer = ColumnParallelLinear.from_linear(nn.Linear(7, 3 * t), mesh)
+    g = torch.full((2, 3), float(r + 1))  # different on every rank: a stray all-reduce shows
+    x = torch.randn(2, 3, requires_grad=True)
+    u = torch.zeros(2, 3, requires_grad=True)
+    (copy_to_tp(x, group) + u).backward(g)
+    close(g, torch.full((2, 3), float(r + 1)), rtol=0, atol=0)  # the caller's gradient, unchanged
+    close(u.grad, g, rtol=0, atol=0)
+    close(x.grad, torch.full((2, 3), float(t * (t + 1) // 2)), rtol=0, atol=0)
+    xl = torch.randn(2, 7, requires_grad=True)
+    u = torch.zeros(2, 3, requires_grad=True)
+    (layer(xl) + u).backward(g)
+    close(u.grad, g, rtol=0, atol=0)
+    close(g, torch.full((2, 3), float(r + 1)), rtol=0, atol=0)
+    # g's forward on a tensor the user holds: summed into a copy, never in place.
+    p = torch.full((4,), float(r + 1))
+    close(reduce_from_tp(p, group), torch.full((4,), float(t * (t + 1) // 2)))
+    close(p, torch.full((4,), float(r + 1)), rtol=0, atol=0)
+    return counts
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlapped_backward_and_in_place_reductions(world):
+    counts = run(overlap_body, world)[0]
+    # q/k/v as one group: one input-gradient reduction for all three (and no all-reduce in forward).
+    assert counts[(3, False)] == {"all_reduce": 1}
+    assert counts[(3, True)] == {"all_gather": 1, "reduce_scatter": 1}

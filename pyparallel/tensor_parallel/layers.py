@@ -15,6 +15,15 @@ layer, and the activations between layers are split along the sequence dimension
 
 ``from_linear`` slices an existing full ``nn.Linear`` (or a GPT-2 ``Conv1D``, whose weight is [in, out]) so
 the parallel layer computes exactly what the original did; ``full_parameters`` gathers the shards back.
+
+**Overlap.** A column-parallel layer's backward computes the input gradient first, starts its all-reduce
+(or, with sequence parallelism, its reduce-scatter) asynchronously, computes the weight and bias gradients
+while it is on the wire, then waits (as Megatron-LM's implementation of these layers does; picotron's
+``LinearWithAsyncAllReduce`` is the same idea). The entry mapping and the matmuls
+are therefore one autograd function (:class:`_ColumnParallelMatmuls`), for one layer or for several that
+read the same input (q, k, v: :func:`column_parallel_group`, one reduction for all of them). Under
+sequence parallelism the all-gathered input is kept for the weight gradient, as the unfused layer kept it,
+rather than gathered again in backward as Megatron does: no extra all-gather, the same memory as before.
 """
 
 from __future__ import annotations
@@ -28,6 +37,9 @@ import torch.nn.functional as F
 
 from pyparallel import _ops, comm
 from pyparallel.tensor_parallel.mappings import (
+    SharedInput,
+    _gather,
+    _reduce_scatter,
     allreduce_grad_hook,
     copy_to_tp,
     gather_from_sequence,
@@ -35,6 +47,7 @@ from pyparallel.tensor_parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_tp,
+    start_reduce_scatter,
 )
 
 
@@ -49,16 +62,136 @@ class InputCache:
         self._entry = None
 
     def get(self, x: torch.Tensor, kind: str, make):
+        """The mapped tensor for ``x`` and its :class:`SharedInput` (``make(shared)`` maps on a miss; a hit
+        counts one more reader)."""
         key = (kind, x._version, torch.is_grad_enabled())
         entry = self._entry
         if entry is not None and entry[0]() is x and entry[1] == key:
-            return entry[2]
-        y = make()
-        self._entry = (weakref.ref(x), key, y)
-        return y
+            entry[3].readers += 1
+            return entry[2], entry[3]
+        shared = SharedInput(kind)
+        y = make(shared)
+        self._entry = (weakref.ref(x), key, y, shared)
+        return y, shared
+
+    def holds(self, x: torch.Tensor, kind: str) -> bool:
+        entry = self._entry
+        return (entry is not None and entry[0]() is x
+                and entry[1] == (kind, x._version, torch.is_grad_enabled()))
 
     def clear(self) -> None:
         self._entry = None
+
+
+def _autocast(x: torch.Tensor) -> bool:
+    """Autocast is on for ``x``'s device (the fused functions then step aside: autograd's own casts)."""
+    return x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+
+
+class _ColumnParallelMatmuls(torch.autograd.Function):
+    """``Y_i = X A_i + a_i`` for one or more column-parallel weights reading one input, with the entry
+    mapping fused in (Shoeybi et al. 2019, §3; sequence parallelism: Korthikanti et al. 2022, §4.2.2).
+
+    ``mode``: ``"copy"`` (``x`` replicated: the input gradient is all-reduced), ``"seq"`` (``x`` is this
+    rank's sequence shard: all-gathered along ``dim`` in forward, the input gradient reduce-scattered),
+    or ``"shared"`` (``x`` already went through a :class:`SharedInput` entry, which reduces the summed
+    gradient, unless this layer is its lone reader in the replicated mode: then this layer does, overlapped).
+    ``params`` = (weight_0, bias_0, weight_1, bias_1, ...), biases may be None. Backward: input gradient
+    first (a fresh buffer, reduced in place), its reduction started asynchronously, the weight and bias
+    gradients computed meanwhile, then the wait. The same products as ``F.linear``'s autograd (2-D GEMMs
+    over the flattened tokens); several weights accumulate into one input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, mode, dim, shared, *params):
+        full = _gather(x, group, dim) if mode == "seq" else x
+        ctx.group, ctx.mode, ctx.dim, ctx.shared = group, mode, dim, shared
+        ctx.save_for_backward(full, *params)
+        return tuple(F.linear(full, params[i], params[i + 1]) for i in range(0, len(params), 2))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        full, *params = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gys = [g.reshape(-1, g.shape[-1]) for g in grads]  # [tokens, out_i/t]
+        handle = keep = result = None
+        if need[0]:
+            d = None
+            for gy, w in zip(gys, params[0::2]):  # [tokens, out/t] @ [out/t, in] -> [tokens, in]
+                d = gy.mm(w) if d is None else d.addmm_(gy, w)
+            d = d.view(full.shape)
+            if ctx.mode == "copy" or (ctx.mode == "shared" and ctx.shared.reduced_by_reader):
+                result, handle = d, comm.all_reduce(d, ctx.group, async_op=True)  # d is ours: in place
+            elif ctx.mode == "seq":
+                result, handle, keep = start_reduce_scatter(d, ctx.group, ctx.dim)
+            else:
+                result = d  # the shared entry reduces the sum of its readers' gradients
+        x2 = full.reshape(-1, full.shape[-1])
+        out = []
+        for i, gy in enumerate(gys):  # while the input gradient is on the wire
+            w, b = params[2 * i], params[2 * i + 1]
+            out.append(gy.t().mm(x2) if need[5 + 2 * i] else None)  # [out/t, tokens] @ [tokens, in]
+            out.append(gy.sum(0) if b is not None and need[6 + 2 * i] else None)
+        if handle is not None:
+            handle.wait()
+        del keep
+        return (result, None, None, None, None, *out)
+
+
+class _RowParallelMatmul(torch.autograd.Function):
+    """``g(X_r A_r)`` (or ``g(gelu(Z + a) A_r)`` with the fused kernel) in one function: the partial product
+    is made here and read by nothing else, so it is summed in place (Megatron's ``g``, Shoeybi et al. 2019,
+    §3), or reduce-scattered along the sequence from its rank-major copy (Korthikanti et al. 2022). Backward:
+    ``g``'s identity (or the all-gather of the sequence shards) then the matmul's own gradients, the same
+    products as ``F.linear``'s autograd and :func:`pyparallel._ops.gelu_linear`'s."""
+
+    @staticmethod
+    def forward(ctx, x, weight, z_bias, group, seq, dim, approximate):
+        if approximate is None:
+            partial = F.linear(x, weight)  # [.., in/t] @ [in/t, out] -> [.., out]
+        else:
+            partial = _ops.gelu_linear_forward(x, z_bias, weight, approximate)
+            if partial._base is not None:  # the kernel returns a reshaped view of its own buffer: own it
+                partial = torch.ops.aten._unsafe_view(partial, partial.shape)
+        ctx.save_for_backward(x, z_bias, weight)
+        ctx.group, ctx.seq, ctx.dim, ctx.approximate = group, seq, dim, approximate
+        if seq:
+            return _reduce_scatter(partial, group, dim)
+        if not partial.is_contiguous():
+            partial = partial.contiguous()
+        comm.all_reduce(partial, group)  # ours alone: in place
+        return partial
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, z_bias, weight = ctx.saved_tensors
+        if ctx.seq:
+            gy = _gather(gy, ctx.group, ctx.dim)  # [.., s/t, out] -> [.., s, out]
+        need = ctx.needs_input_grad
+        if ctx.approximate is not None:
+            mask = [need[0], need[2] and z_bias is not None, need[1]]
+            dz, db, dw = _ops.gelu_linear_backward(gy, x, z_bias, weight, ctx.approximate, mask)
+            return ((dz if mask[0] else None), (dw if mask[2] else None), (db if mask[1] else None),
+                    None, None, None, None)
+        gy2 = gy.reshape(-1, gy.shape[-1])
+        dx = gy2.mm(weight).view(x.shape) if need[0] else None  # [tokens, out] @ [out, in/t]
+        dw = gy2.t().mm(x.reshape(-1, x.shape[-1])) if need[1] else None  # [out, tokens] @ [tokens, in/t]
+        return dx, dw, None, None, None, None, None
+
+
+def column_parallel_group(layers, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The outputs of several :class:`ColumnParallelLinear` layers on the same input ``x`` (q, k and v),
+    computed by one fused function: one reduction of the input gradient in backward, overlapped with all
+    of their weight gradients. The layers must agree on the group and the sequence parallelism and
+    neither gather their outputs nor pad a vocabulary."""
+    first = layers[0]
+    for layer in layers:
+        if (layer.group is not first.group or layer.sequence_parallel != first.sequence_parallel
+                or layer.sequence_dim != first.sequence_dim or layer.gather_output or layer.padded):
+            raise ValueError("column_parallel_group: the layers must share the group and the sequence "
+                             "parallelism, without gather_output or vocabulary padding")
+    return first._matmuls(x, [(layer.weight, layer.bias) for layer in layers], share=False)
 
 
 def _check_divisible(name: str, what: str, value: int, t: int) -> None:
@@ -221,19 +354,36 @@ class ColumnParallelLinear(nn.Module):
         pad = torch.arange(y.shape[-1], device=y.device) >= self.local_valid
         return y.masked_fill(pad, float("-inf"))
 
-    def _enter(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            kind, make = "seq", lambda: gather_from_sequence(x, self.group, self.sequence_dim)
-        else:
-            kind, make = "copy", lambda: copy_to_tp(x, self.group)
-        return make() if self.input_cache is None else self.input_cache.get(x, kind, make)
+    def _matmuls(self, x: torch.Tensor, params, share: bool) -> tuple[torch.Tensor, ...]:
+        """``x @ W.T + b`` for each (W, b) of ``params``, with this layer's entry mapping. ``share``: go
+        through the input cache (one entry for sibling layers reading ``x``)."""
+        group, sp, dim = self.group, self.sequence_parallel, self.sequence_dim
+        flat = [p for wb in params for p in wb]
+        if group.size == 1:
+            return tuple(F.linear(x, w, b) for w, b in params)
+        if _autocast(x):  # autograd's own casts: the unfused path, unchanged
+            x = gather_from_sequence(x, group, dim) if sp else copy_to_tp(x, group)
+            return tuple(F.linear(x, w, b) for w, b in params)
+        kind = "seq" if sp else "copy"
+        if not share or self.input_cache is None:
+            return _ColumnParallelMatmuls.apply(x, group, kind, dim, None, *flat)
+
+        def make(shared):
+            return gather_from_sequence(x, group, dim) if sp else copy_to_tp(x, group, shared)
+
+        mapped, shared = self.input_cache.get(x, kind, make)
+        return _ColumnParallelMatmuls.apply(mapped, group, "shared", dim, shared, *flat)
 
     def forward_no_bias(self, x: torch.Tensor) -> torch.Tensor:
-        """X A_r without the bias (the fused MLP adds it inside gelu_linear)."""
-        return F.linear(self._enter(x), self.weight)  # [.., in] @ [in, out/t] -> [.., out/t]
+        """X A_r without the bias (the fused MLP adds it inside gelu_linear). The MLP's input is read by no
+        other column layer (sequential blocks) unless the cache already holds it: it goes through the fused
+        path, whose input-gradient reduction overlaps the weight gradient."""
+        kind = "seq" if self.sequence_parallel else "copy"
+        share = self.input_cache is not None and self.input_cache.holds(x, kind)
+        return self._matmuls(x, [(self.weight, None)], share)[0]  # [.., in] @ [in, out/t] -> [.., out/t]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(self._enter(x), self.weight, self.bias)  # [.., in] @ [in, out/t] -> [.., out/t]
+        y = self._matmuls(x, [(self.weight, self.bias)], share=True)[0]  # [.., in] @ [in, out/t] -> [.., out/t]
         y = self._mask_padding(y)
         if not self.gather_output:
             return y
@@ -296,21 +446,27 @@ class RowParallelLinear(nn.Module):
         layer.layout = layout
         return layer
 
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence(partial, self.group, self.sequence_dim)
-        else:
-            y = reduce_from_tp(partial, self.group)
+    def _product(self, x: torch.Tensor, z_bias: torch.Tensor | None, approximate: str | None) -> torch.Tensor:
+        """The reduced (or reduce-scattered) ``x @ A_r`` (``gelu(x + z_bias) @ A_r`` with ``approximate``)."""
+        group, sp, dim = self.group, self.sequence_parallel, self.sequence_dim
+        if group.size > 1 and not _autocast(x):
+            y = _RowParallelMatmul.apply(x, self.weight, z_bias, group, sp, dim, approximate)
+        else:  # one rank, or autocast (autograd's own casts): the unfused path
+            if approximate is None:
+                partial = F.linear(x, self.weight)
+            else:
+                partial = _ops.gelu_linear(x, z_bias, self.weight, approximate)
+            y = reduce_scatter_to_sequence(partial, group, dim) if sp else reduce_from_tp(partial, group)
         return y + self.bias if self.bias is not None else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, -1)
-        return self._reduce(F.linear(x, self.weight))  # [.., in/t] @ [in/t, out] -> partial [.., out]
+        return self._product(x, None, None)  # [.., in/t] @ [in/t, out] -> [.., out], summed over the ranks
 
     def forward_gelu(self, z: torch.Tensor, z_bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
         """``g(gelu(z + z_bias) @ A_r) + bias`` with the fused kernel: gelu(z + z_bias) is never stored."""
-        return self._reduce(_ops.gelu_linear(z, z_bias, self.weight, approximate))  # [.., in/t] -> [.., out]
+        return self._product(z, z_bias, approximate)  # [.., in/t] -> [.., out]
 
     def full_parameters(self, grad: bool = False) -> dict[str, torch.Tensor]:
         g = _all_gather_stack(_value(self.weight, grad), self.group)  # [t, out, in/t]
@@ -387,7 +543,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence(out, self.group, self.sequence_dim)
         else:
-            out = reduce_from_tp(out, self.group)
+            out = reduce_from_tp(out, self.group, owned=True)  # masked_fill's fresh output: in place
         if self.embed_scale is not None:  # after the sum: one real row plus zeros, scaled as the original
             out = out * self.embed_scale.to(self.weight.dtype)
         return out
