@@ -1,12 +1,22 @@
-"""``pyparallel train``: train the built-in GPT (or a Hugging Face config) on a text file with any DP x TP x
-PP layout, ZeRO stage, precision and offload, with periodic checkpoints and resume.
+"""``pyparallel train``: train the built-in GPT, a Hugging Face config (random init) or fine-tune a Hugging Face
+folder's weights on a text file with any DP x TP x PP layout, ZeRO stage, precision and offload, with
+periodic checkpoints and resume.
 
     pyparallel train --dp 2 --tp 2 --steps 200                 # spawns dp*tp*pp local processes
     torchrun --nproc-per-node 4 -m pyparallel.cli train --tp 2  # or under torchrun (any number of nodes)
     pyparallel train --pp 2 --micro-batches 4 --zero 1 --dtype bf16 --checkpoint-dir ckpt --save-every 50
     pyparallel train ... --checkpoint-dir ckpt --resume        # continue from ckpt/latest
+    pyparallel train --model hf-folder --tp 2 --checkpoint-dir ckpt --export tuned   # fine-tune, export
 
-Text is byte-level (vocabulary 256, no tokenizer): the corpus shipped with the package, or ``--text``.
+Text is the corpus shipped with the package, or ``--text``, encoded byte-level (vocabulary 256), or by the
+tokenizer of a ``--model`` folder that holds one (``tokenizer.json`` / ``tokenizer_config.json``; read with
+``transformers.AutoTokenizer``, local files only).
+
+A ``--model`` folder with ``model.safetensors`` (or ``model.safetensors.index.json`` and its shards) is
+built on the meta device from its config.json and handed to ``pyparallel.parallelize(weights=folder)``:
+each rank reads only the slices it keeps, and no rank builds the whole model. A folder (or config.json)
+without weights is a random initialisation, built as before on every rank. Hugging Face models are built
+in fp32 (the masters; ``--dtype`` chooses the compute precision) whatever dtype the config names.
 Step k's global batch is a deterministic function of k (``pyparallel.data.batch``), so a resumed run,
 or one restarted by ``torchrun --max-restarts``, sees exactly the batches the uninterrupted run would
 have: on CPU its losses are equal bit for bit. Each DP replica trains on its rows of the global batch.
@@ -26,15 +36,19 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pyparallel train", description="Train a GPT with a parallel layout on "
-                                "a text file (byte-level), with checkpoints and resume.")
-    p.add_argument("--model", default="tiny", help="built-in GPT preset (tiny, small-test, bench, gpt2-small, ...) "
-                   "or a Hugging Face config.json (random init)")
-    p.add_argument("--text", default=None, help="UTF-8 text file to train on (default: the shipped corpus)")
+    p = argparse.ArgumentParser(prog="pyparallel train", description="Train a GPT, or fine-tune a Hugging Face "
+                                "model, with a parallel layout on a text file, with checkpoints and resume.")
+    p.add_argument("--model", default="tiny", help="built-in GPT preset (tiny, small-test, bench, gpt2-small, ...), "
+                   "a Hugging Face config.json (random init), or a Hugging Face folder: with model.safetensors "
+                   "(or an index and its shards) it fine-tunes those weights, each rank reading only its slices; "
+                   "with config.json alone, random init")
+    p.add_argument("--text", default=None, help="UTF-8 text file to train on (default: the shipped corpus); "
+                   "encoded by the --model folder's tokenizer when it has one (tokenizer.json or "
+                   "tokenizer_config.json, local files only), else byte-level (vocabulary 256). Rank 0 says which")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what is left)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage over the DP axis")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage over the DP axis")
     p.add_argument("--offload", action="store_true", help="optimizer state and master weights on the host")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default: pp)")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
@@ -49,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint, if any")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint, if any (a "
+                   "Hugging Face folder's weights are then not read: the checkpoint holds every value)")
+    p.add_argument("--export", default=None, metavar="DIR", help="after training, write the final checkpoint as a "
+                   "Hugging Face folder (from_pretrained loads it; the --model folder's tokenizer is copied): needs "
+                   "a Hugging Face --model and --checkpoint-dir")
     p.add_argument("--metrics", default=None, help="append one JSON line per step here (rank 0)")
     p.add_argument("--nprocs", type=int, default=None, help="local processes when not under torchrun "
                    "(default: dp*tp*pp)")
@@ -68,6 +86,14 @@ def check_args(args) -> None:
         raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
     if (args.save_every or args.resume) and not args.checkpoint_dir:
         raise ValueError("--save-every and --resume need --checkpoint-dir")
+    if args.export is not None:
+        if not args.checkpoint_dir:
+            raise ValueError("--export needs --checkpoint-dir (it exports the final checkpoint)")
+        if not is_hf(args.model):
+            raise ValueError(f"--export writes a Hugging Face folder: it needs a Hugging Face --model (a config.json "
+                             f"or a folder), not the built-in preset {args.model!r}")
+        if os.path.exists(args.export) and not os.path.isdir(args.export):
+            raise ValueError(f"--export {args.export!r} is a file, not a folder")
     for name in ("lr", "weight_decay", "clip", "warmup"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -96,17 +122,18 @@ def preflight(args) -> None:
     model (built on the meta device: no memory), its split over tp and pp, and the checkpoint to resume."""
     import torch
 
-    from pyparallel import data
-
-    try:
-        tokens = data.encode(data.load_text(args.text))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--text {args.text!r} cannot be read as UTF-8 text: {exc}") from exc
+    tokens, vocab, encoding = encode_text(args)
     if tokens.numel() <= args.seq + 1:
-        raise ValueError(f"--text {args.text!r} has {tokens.numel()} byte tokens; --seq {args.seq} needs more "
+        unit = "byte tokens" if encoding.startswith("byte") else f"tokens ({encoding})"
+        raise ValueError(f"--text {args.text!r} has {tokens.numel()} {unit}; --seq {args.seq} needs more "
                          f"than {args.seq + 1}")
     with torch.device("meta"):
-        model = build_model(args, data.VOCAB_SIZE)
+        model = build_model(args, vocab)
+    weights = hf_weights(args.model)
+    if weights is not None:
+        from pyparallel.checkpoint import weights as weights_mod
+
+        weights_mod.open_weights(weights, model)  # names and shapes, read from the headers only
     if args.tp > 1:
         from pyparallel.tensor_parallel import plans
 
@@ -152,11 +179,69 @@ def resume_folder(root: str) -> tuple[str | None, str | None]:
 # ------------------------------------------------------------------------------------------- model
 
 
-def build_model(args, vocab: int):
-    """The model, identically initialised on every rank (seeded)."""
+def is_hf(model: str) -> bool:
+    """``--model`` names a Hugging Face config.json or folder (else a built-in GPT preset)."""
+    return model.endswith(".json") or os.path.isdir(model)
+
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def hf_weights(model: str) -> str | None:
+    """The ``--model`` folder when it holds safetensors weights (fine-tuning), else None (random init). A
+    folder with only PyTorch pickles is refused: they cannot be read a slice at a time."""
+    if not os.path.isdir(model):
+        return None
+    if any(os.path.exists(os.path.join(model, f)) for f in _WEIGHT_FILES):
+        return model
+    pickles = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+               if os.path.exists(os.path.join(model, f))]
+    if pickles:
+        raise ValueError(f"--model {model!r} holds {pickles[0]} but no model.safetensors: weights are streamed "
+                         f"slice by slice from safetensors only; convert the folder once with "
+                         f"save_pretrained(..., safe_serialization=True)")
+    return None
+
+
+def tokenizer_of(args):
+    """The ``--model`` folder's tokenizer (local files only), or None: byte-level tokens."""
+    if not (os.path.isdir(args.model) and any(os.path.exists(os.path.join(args.model, f)) for f in _TOKENIZER_FILES)):
+        return None
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--model {args.model!r}: its tokenizer cannot be loaded: "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
+def encode_text(args):
+    """(tokens, vocabulary the model must cover, a line saying how the text was encoded)."""
+    from pyparallel import data
+
+    try:
+        text = data.load_text(args.text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--text {args.text!r} cannot be read as UTF-8 text: {exc}") from exc
+    tok = tokenizer_of(args)
+    if tok is None:
+        return data.encode(text), data.VOCAB_SIZE, "byte-level tokens (vocabulary 256)"
     import torch
 
-    if args.model.endswith(".json") or os.path.isdir(args.model):
+    ids = torch.tensor(tok(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.long)
+    vocab = int(ids.max()) + 1 if ids.numel() else 0
+    return ids, vocab, f"{type(tok).__name__} of {args.model} ({ids.numel()} tokens)"
+
+
+def build_model(args, vocab: int):
+    """The model, identically initialised on every rank (seeded), or on the meta device when the caller
+    builds it under ``torch.device("meta")`` (a folder's weights are then loaded by ``parallelize``).
+    ``vocab``: the largest token id + 1 that the text holds."""
+    import torch
+
+    if is_hf(args.model):
         import transformers
 
         path = args.model if args.model.endswith(".json") else os.path.join(args.model, "config.json")
@@ -168,9 +253,11 @@ def build_model(args, vocab: int):
             raise ValueError(f"--model {path!r} is not a Hugging Face config.json this transformers reads: "
                              f"{type(exc).__name__}: {exc}") from exc
         if getattr(config, "vocab_size", vocab) < vocab:
-            raise ValueError(f"{path}: vocab_size {config.vocab_size} is smaller than the {vocab} byte tokens")
+            raise ValueError(f"{path}: vocab_size {config.vocab_size} is smaller than the text's tokens need "
+                             f"({vocab})")
         torch.manual_seed(args.seed)
-        return transformers.AutoModelForCausalLM.from_config(config)
+        # fp32 masters whatever dtype the config names (--dtype is the compute precision).
+        return transformers.AutoModelForCausalLM.from_config(config).float()
     from pyparallel.models.gpt import GPT, gpt_config
 
     cfg = gpt_config(args.model, vocab_size=vocab)
@@ -226,16 +313,28 @@ def train(args) -> dict:
     from pyparallel import checkpoint, data
 
     mesh = pyparallel.init(dp=args.dp, tp=args.tp, pp=args.pp)
-    tokens = data.encode(data.load_text(args.text))
-    model = build_model(args, data.VOCAB_SIZE).to(mesh.device)
+    tokens, vocab, encoding = encode_text(args)
+    folder, note = resume_folder(args.checkpoint_dir) if args.resume else (None, None)
+    weights = hf_weights(args.model)
+    if weights is not None:
+        # No rank builds the whole model: it is split on meta and each rank reads its slices of the folder;
+        # a resumed run skips the folder (the default init is overwritten by the checkpoint's values).
+        with torch.device("meta"):
+            model = build_model(args, vocab)
+        weights = None if folder is not None else weights
+    else:
+        model = build_model(args, vocab).to(mesh.device)
+    if mesh.rank == 0 and not args.no_progress:
+        print(f"pyparallel train: text as {encoding}"
+              + (f"; weights streamed from {weights}" if weights else ""), file=sys.stderr, flush=True)
     dtype = getattr(torch, _DTYPES[args.dtype])
     pm = pyparallel.parallelize(model, mesh, zero_stage=args.zero, param_dtype=None if args.dtype == "fp32" else dtype,
                                 num_microbatches=args.micro_batches or args.pp, schedule=args.schedule,
                                 virtual_stages=2 if args.schedule == "interleaved" else 1,
                                 optimizer=torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay,
-                                clip_grad_norm=args.clip or None, offload_optimizer=args.offload)
+                                clip_grad_norm=args.clip or None, offload_optimizer=args.offload,
+                                weights=weights)
     start = 0
-    folder, note = resume_folder(args.checkpoint_dir) if args.resume else (None, None)
     if args.resume:
         _same_checkpoint_everywhere(mesh, args.checkpoint_dir, folder)
     if folder is not None:
@@ -263,9 +362,26 @@ def train(args) -> dict:
             _save(args, pm, done, mesh.rank)
     if bar is not None:
         bar.close()
+    if args.export is not None:
+        _export(args, mesh)
     return {"losses": losses, "start": start, "steps": args.steps, "world_size": mesh.world_size,
             "layout": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "zero": args.zero},
             "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None}
+
+
+def _export(args, mesh) -> None:
+    """Rank 0 writes the final checkpoint as a Hugging Face folder (streamed one tensor at a time: no rank
+    gathers the model), with the --model folder's tokenizer; the others wait, so that the job ends when
+    the folder is complete."""
+    from pyparallel import checkpoint, comm
+
+    if mesh.rank == 0:
+        checkpoint.export_pretrained(args.checkpoint_dir, args.export)
+        tok = tokenizer_of(args)
+        if tok is not None:
+            tok.save_pretrained(args.export)
+        print(f"pyparallel train: exported {args.export}", file=sys.stderr, flush=True)
+    comm.barrier(mesh.world_group)
 
 
 def _same_checkpoint_everywhere(mesh, root: str, folder: str | None) -> None:
