@@ -8,6 +8,11 @@ activation dropouts are given the masks the TP ranks draw: per layer, rank r's m
 parallelism). Losses and every parameter after 5 AdamW steps match at default float64 tolerance (see DTYPE). If the TP
 ranks drew their head masks from one stream, or a replicated dropout from their own streams, the masks
 would differ from the reference and the losses would not match.
+
+Hugging Face GPT-2 (embedding, attention and residual dropout) and LLaMA (attention dropout) at t=2 are
+checked the same way, through an attention function registered with transformers' AttentionInterface
+(eager math in the model's dtype; the reference's is given the ranks' head masks); the replicated
+dropouts draw from the default generator on both sides.
 """
 
 import copy
@@ -237,3 +242,93 @@ def checkpointed_pipeline_body():
 def test_activation_checkpointing_replays_tp_dropout_in_a_pipeline():
     losses = run(checkpointed_pipeline_body, 4)
     assert len({tuple(x) for x in losses}) == 1  # every rank reports the pipeline's loss
+
+
+# ------------------------------------------------ Hugging Face models: one process given the ranks' masks
+
+
+def _hf_attention(streams):
+    """An attention function for transformers' AttentionInterface: eager math in the model's dtype (HF's
+    eager LLaMA softmaxes in fp32, which would round a float64 run), with dropout on the probabilities
+    drawn by ``F.dropout`` (the TP ranks, inside their model-parallel stream) or, given ``streams``, the
+    ranks' masks concatenated over heads (the one-process reference)."""
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        b, a, s, d = query.shape
+        rep = a // key.shape[1]
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else d ** -0.5)
+        causal = torch.ones(s, key.shape[-2], dtype=torch.bool).tril()
+        att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        if module.training and dropout > 0:
+            if streams is None:
+                att = F.dropout(att, dropout)
+            else:
+                att = att * streams.mask((b, a // len(streams.gens), s, key.shape[-2]), 1, att.dtype) / (1 - dropout)
+        return (att @ value).transpose(1, 2).contiguous(), att
+
+    return attend
+
+
+def _hf(kind, p):
+    import transformers
+    from models import hf_config
+
+    extra = (dict(resid_pdrop=p, embd_pdrop=p, attn_pdrop=p) if kind == "gpt2" else dict(attention_dropout=p))
+    cfg = hf_config(kind, **extra)
+    torch.manual_seed(0)
+    return (transformers.GPT2LMHeadModel(cfg) if kind == "gpt2" else transformers.LlamaForCausalLM(cfg)).to(DTYPE)
+
+
+def _hf_train(model, mesh=None):
+    if mesh is None:
+        torch.manual_seed(SEED)
+    else:
+        tp_random.manual_seed(mesh, SEED)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for idx, _ in batches(STEPS, B, S):
+        logits = model(input_ids=idx).logits  # gathered under TP
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def hf_dropout_body(kind):
+    import transformers
+
+    t = torch.distributed.get_world_size()
+    mesh = pyparallel.init(tp=t)
+    transformers.AttentionInterface.register("tp_ranks", _hf_attention(None))
+    model = _hf(kind, P)
+    serial = copy.deepcopy(model)
+    model.config._attn_implementation = "tp_ranks"
+    parallelize(model, mesh)
+    rng = tp_random.tracker(mesh)
+    rng.manual_seed(SEED)  # only to read the seeds the TP ranks will use
+    streams = RankStreams([rng.seed_of(r) for r in range(t)])
+    transformers.AttentionInterface.register("tp_reference", _hf_attention(streams))
+    serial.config._attn_implementation = "tp_reference"
+    ref_losses = _hf_train(serial)
+    no_dropout = _hf(kind, 0.0)
+    no_dropout.config._attn_implementation = "tp_reference"
+    assert max(abs(a - b) for a, b in zip(ref_losses, _hf_train(no_dropout))) > 1e-2
+
+    losses = _hf_train(model, mesh)
+    torch.testing.assert_close(torch.tensor(losses, dtype=DTYPE), torch.tensor(ref_losses, dtype=DTYPE))
+    full, ref = full_parameters(model), dict(serial.named_parameters())
+    assert full.keys() == ref.keys()
+    for name, p in full.items():
+        torch.testing.assert_close(p, ref[name].detach(), msg=lambda m, name=name: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_dropout_t2_equals_one_process_with_the_ranks_masks(kind):
+    """GPT-2 (embedding, attention and residual dropout) and LLaMA (attention dropout) at t=2."""
+    pytest.importorskip("transformers")
+    run(hf_dropout_body, 2, kind)
