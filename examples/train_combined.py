@@ -54,6 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     if "RANK" in os.environ:  # under torchrun
         result = train(args)
+        pyparallel.shutdown()  # before the interpreter exits: see pyparallel.shutdown
         if int(os.environ["RANK"]) != 0:
             return
     else:

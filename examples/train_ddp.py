@@ -55,6 +55,7 @@ def main() -> None:
         result = train(*kwargs)
         if int(os.environ["RANK"]) == 0:
             print("RESULT " + json.dumps(result), flush=True)
+        pyparallel.shutdown()  # before the interpreter exits: see pyparallel.shutdown
     else:
         result = pyparallel.launch(train, args.nprocs, kwargs)[0]
         print("RESULT " + json.dumps(result), flush=True)

@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "init": "pyparallel.mesh",
+    "shutdown": "pyparallel.mesh",
     "ParallelMesh": "pyparallel.mesh",
     "DataParallel": "pyparallel.data_parallel.ddp",
     "comm_stats": "pyparallel.comm",

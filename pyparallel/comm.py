@@ -24,6 +24,7 @@ import datetime
 import os
 import socket
 import time
+import weakref
 import zlib
 from dataclasses import dataclass, field
 
@@ -111,7 +112,29 @@ def new_group(ranks, name: str, timeout_s: float = DEFAULT_TIMEOUT_S, backend: s
     pg = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
     if dist.get_rank() not in ranks:
         return None
-    return Group(pg=pg, name=name, ranks=ranks, timeout_s=timeout_s, backend=backend, label=label)
+    group = Group(pg=pg, name=name, ranks=ranks, timeout_s=timeout_s, backend=backend, label=label)
+    _groups.add(group)
+    return group
+
+
+_groups: weakref.WeakSet[Group] = weakref.WeakSet()  # every live Group new_group made, for close_groups
+
+
+def close_groups() -> None:
+    """Drop every pyparallel Group's reference to its process group (then, with torch.distributed's own
+    references gone, the process group is destroyed and joins its worker threads). A Group is unusable
+    afterwards. Part of ``pyparallel.shutdown``: a gloo group that outlives the interpreter's finalization
+    can still be releasing a finished collective's tensors on its worker thread, which then needs the GIL
+    of an interpreter that is going away and aborts the process (pytorch/pytorch#190489)."""
+    for group in list(_groups):
+        group.pg = None
+    _groups.clear()
+
+
+def _open(op: str, group: Group) -> None:
+    if group.pg is None:
+        raise RuntimeError(f"{op} on the {group.name} group {list(group.ranks)} after pyparallel.shutdown(): "
+                           "its process group is gone; call pyparallel.init() again for a new mesh")
 
 
 # Global rank -> (host name, machine key (see _machine), pid), filled once per job by register_processes.
@@ -264,6 +287,7 @@ class Handle:
         if self._finish is not None:
             self._finish()
         self._done = True
+        self._work = self._finish = None  # the backend's work holds its tensors and communicator: let go now
 
     def is_completed(self) -> bool:
         return self._done or (self._work is None or self._work.is_completed())
@@ -274,6 +298,7 @@ def _run(op: str, group: Group, payload_bytes: int, issue, async_op: bool, fp_te
 
     ``issue()`` returns ``(work, finish)``: the backend's work object and an optional callable that
     completes a fallback (a divide for AVG, a slice copy for reduce-scatter) once the work is done."""
+    _open(op, group)
     group.seq += 1
     seq = group.seq
     if debug_enabled() and group.size > 1:
@@ -564,6 +589,7 @@ def barrier(group: Group) -> None:
 
 def all_gather_object(obj, group: Group) -> list:
     """Gather a picklable object from every rank (for small metadata: fingerprints, shapes)."""
+    _open("all_gather_object", group)
     group.seq += 1
     seq = group.seq
     out = [None] * group.size
@@ -593,6 +619,7 @@ def recv(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False):
 
 
 def _p2p(op: str, group: Group, nbytes: int, issue, async_op: bool):
+    _open(op, group)
     group.seq += 1
     seq = group.seq
     _account(op, group, nbytes)

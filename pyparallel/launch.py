@@ -112,10 +112,9 @@ def _worker(fn, rank, nprocs, port, args, kwargs, env, conn):
         sys.stderr.flush()
         os._exit(1)
     try:
-        import torch.distributed as dist
+        from pyparallel.mesh import shutdown
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()
     except Exception:
         pass
 

@@ -12,6 +12,7 @@ live in one process.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -180,3 +181,19 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, *, backend: str | None
             store = dist.HashStore()
             dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
     return ParallelMesh(dp, tp, pp, timeout_s=timeout_s, backend=backend)
+
+
+def shutdown() -> None:
+    """Tear down this process's process groups; a no-op when there are none. Call it as the last step of
+    a script that torchrun starts (``pyparallel.launch`` does it for its own workers). Without it a gloo
+    group is torn down by the interpreter's exit, while its worker thread may still be releasing the last
+    collective's tensors: that thread needs the GIL of an interpreter that is finalizing, and the process
+    aborts ("terminate called without an active exception", pytorch/pytorch#190489) after its work is
+    done, so torchrun reports the job failed. Here every group is released and collected while the
+    interpreter is whole, so its destructor joins those threads first. Groups, meshes and models built on
+    them cannot communicate afterwards."""
+    if not dist.is_initialized():
+        return
+    comm.close_groups()
+    dist.destroy_process_group()
+    gc.collect()  # process groups held only by reference cycles (modules <-> engines) go now, not at exit

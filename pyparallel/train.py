@@ -449,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if int(os.environ["RANK"]) == 0:
             print("RESULT " + json.dumps(result), flush=True)
+        import pyparallel
+
+        pyparallel.shutdown()  # only after success: after an error a peer may be gone, and nothing is left to flush
         return 0
     import pyparallel
 

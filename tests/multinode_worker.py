@@ -75,6 +75,7 @@ def main() -> None:
         hosts = comm.all_gather_object(socket.gethostname(), mesh.world_group)
     if int(os.environ["RANK"]) == 0:
         print("RESULT " + json.dumps({"losses": out, "hosts": hosts}), flush=True)
+    pyparallel.shutdown()
 
 
 if __name__ == "__main__":

@@ -111,3 +111,42 @@ def test_torchrun_two_nodes_over_c10d_rendezvous():
     assert len(results) == 1 and results[0]["world_size"] == 2
     single = _result(_run([sys.executable, SCRIPT, "--nprocs", "1", *common]))
     assert results[0]["losses"] == pytest.approx(single["losses"], rel=1e-5)
+
+
+def _gloo_threads() -> int:
+    tasks = Path("/proc/self/task")
+    return sum((t / "comm").read_text().startswith(("pt_gloo", "gloo_tcp")) for t in tasks.iterdir())
+
+
+def _shuts_down():
+    import torch
+    import torch.distributed as dist
+
+    from pyparallel import comm
+
+    mesh = pyparallel.init(dp=1, tp=2)
+    x = torch.full((5,), float(mesh.rank))
+    handle = comm.all_reduce(x, mesh.tp_group, async_op=True)  # in flight on a gloo worker thread
+    handle.wait()
+    values = x.tolist()
+    comm.all_gather_object(mesh.rank, mesh.world_group)
+    before = _gloo_threads()
+    pyparallel.shutdown()
+    after = _gloo_threads()
+    try:
+        comm.all_reduce(x, mesh.tp_group)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    pyparallel.shutdown()  # a second call (or one with no process group) does nothing
+    return values, before, after, dist.is_initialized(), error
+
+
+def test_shutdown_joins_the_gloo_threads_before_the_interpreter_exits():
+    # The process groups must really be gone (their worker threads joined) while the interpreter is whole:
+    # a gloo thread still releasing a finished collective's tensors at finalization aborts the process.
+    for values, before, after, initialized, error in pyparallel.launch(_shuts_down, 2):
+        assert values == [1.0] * 5
+        assert before > 0 and after == 0, (before, after)
+        assert not initialized
+        assert "all_reduce on the tp group [0, 1] after pyparallel.shutdown()" in error
