@@ -11,6 +11,8 @@ holds 14Ψ/N with bf16 reductions. Ψ is counted with ZeRO's padding (each flat 
 multiple of N) and the optimizer's scalar ``step`` tensor (4 bytes) is the only other state.
 """
 
+import contextlib
+
 import pytest
 import torch
 from dist import run
@@ -175,3 +177,85 @@ def in_place_body():
 
 def test_reduce_scatter_in_place_matches_reduce_scatter():
     assert all(run(in_place_body, 4))
+
+
+def root_release_body(mode):
+    """When stage 3 lets the root unit's gathered weights go, relative to the head's and the embedding's
+    backward, for two steps of the tied GPT."""
+    from pyparallel.zero.flat_param import storage_allocated
+
+    mesh = pyparallel.init()
+    model, opt = zero.setup(GPT(CFG), mesh, stage=3, optimizer=torch.optim.AdamW, lr=1e-3)
+    gatherer = model.engine.gatherer
+    events, records, user = [], [], {"pack": 0, "unpack": 0}
+    release = gatherer._release_root
+
+    def spy(record):
+        events.append("release")
+        records.append(record)
+        release(record)
+
+    gatherer._release_root = spy
+
+    def on_output(name):
+        def hook(module, args, out):
+            out.register_hook(lambda g: events.append(name))
+        return hook
+
+    net = model.module
+    net.embed.register_forward_hook(on_output("embed grad"))  # the embedding's backward runs after this
+    net.head.register_forward_hook(on_output("head grad"))
+
+    def user_pack(t):  # the user's own saved-tensor hooks around the call (as save_on_cpu would be)
+        user["pack"] += 1
+        return t.detach()
+
+    def user_unpack(t):
+        user["unpack"] += 1
+        return t
+
+    idx, tgt = synthetic_batch(CFG, 2, 16, seed=mesh.dp_rank)
+    steps = []
+    for _ in range(2):
+        events.clear()
+        with torch.autograd.graph.saved_tensors_hooks(user_pack, user_unpack) if mode == "user hooks" \
+                else contextlib.nullcontext():
+            loss = model(idx, tgt)
+        forward_events = list(events)
+        if mode != "no backward":
+            loss.backward(retain_graph=mode == "retain_graph")
+        backward_events = list(events)
+        del loss  # the graph goes here, with its saved tensors if backward did not release them
+        after = list(events)
+        if mode != "no backward":
+            opt.step()
+        opt.zero_grad()
+        steps.append((forward_events, backward_events, after, storage_allocated(records[-1].full)))
+    return steps, user
+
+
+@pytest.mark.parametrize("mode", ["backward", "retain_graph", "no backward", "user hooks"])
+def test_zero3_frees_the_root_weights_once_the_head_backward_is_done(mode):
+    """The root unit (embeddings, final norm, the tied head) is read at both ends of the forward, so stage 3
+    gathers it once for the step; its weights are needed in backward only by what saved them (the head's
+    matmul, the final norm), so they go once autograd releases those, before the embedding's backward adds
+    a root-sized gradient of its own (the planner's 2 x root). With ``retain_graph``, or a forward that is
+    never backpropagated, they stay until the graph is dropped -- and the graph is dropped (a saved-tensor
+    hook that kept a saved output's grad_fn would leak it). The user's own saved-tensor hooks still see
+    every saved tensor."""
+    for steps, user in run(root_release_body, 2, mode):
+        for forward_events, backward_events, after, allocated in steps:
+            assert forward_events == []  # the head's matmul saved the weights: nothing freed in forward
+            if mode in ("backward", "user hooks"):
+                assert backward_events == ["head grad", "release", "embed grad"]
+                assert after == backward_events
+            elif mode == "retain_graph":
+                assert backward_events == ["head grad", "embed grad"]
+                assert after == ["head grad", "embed grad", "release"]
+            else:
+                assert backward_events == [] and after == ["release"]
+            assert not allocated
+        if mode == "user hooks":
+            assert user["pack"] > 20 and user["unpack"] == user["pack"]  # every saved tensor, each used once
+        else:
+            assert user == {"pack": 0, "unpack": 0}

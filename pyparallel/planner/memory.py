@@ -168,16 +168,16 @@ def buffer_bytes(params_rank: float, layer_params_rank: float, zero_stage: int, 
     it holds the whole stage's compute-dtype weights and gradients, counted here instead of two units.
 
     ZeRO-3 without a pipeline keeps its *root unit* (``root_params_rank``: the parameters outside the
-    layers -- token and position embeddings, final norm, an untied head) gathered for the whole step, as
-    ``pyparallel.zero.stage3`` does (the tied embedding is read at both ends of the forward), and in
-    backward holds two root-sized gradients: the tied weight's gradient, summed by autograd over the head
-    and the embedding, beside the embedding's own dense gradient before the sum (or, untied, the flat
-    gradient the unit's views are assembled into). Measured on CPU (benchmarks/memory.py, 152.8M GPT, 4
+    layers -- token and position embeddings, final norm, an untied head) gathered from the start of the
+    forward into the head's backward, as ``pyparallel.zero.stage3`` does (the tied embedding is read at
+    both ends of the forward; the weights go once autograd has released the tensors that read them), and
+    holds two root-sized tensors at any time of that backward: the weights beside the head's gradient of
+    them, then that gradient beside the embedding's own dense one before autograd sums them (or, untied,
+    the flat gradient the unit's views are assembled into). Measured on CPU (benchmarks/memory.py, 152.8M GPT, 4
     ranks) this is most of what the rank holds beyond its 16Ψ/N. The bench's prediction of its own runs
     (``pyparallel.bench.predict``) passes it; ``plan``'s search leaves it at 0 and charges two of the largest
-    unit, layer or embedding, as the published ZeRO-3 runs it is held against (DeepSpeed, which gathers the
-    embedding per module) -- the 530B rows of Narayanan et al.'s table 2 would not fit at 80 GB with a
-    root-sized 2.2 GB of bf16 weights and two of gradients per GPU."""
+    unit, layer or embedding, as the published ZeRO-3 runs it is held against do (DeepSpeed, which gathers the
+    embedding per module, as in Narayanan et al.'s table 2)."""
     w = DTYPE_BYTES[dtype]
     total = 0.0
     if dp > 1:
@@ -185,7 +185,7 @@ def buffer_bytes(params_rank: float, layer_params_rank: float, zero_stage: int, 
     if gathers_per_step(zero_stage, dp, pp):
         total += 2 * params_rank * w
     elif zero_stage == 3 and dp > 1:
-        total += 2 * layer_params_rank * w + 3 * root_params_rank * w
+        total += 2 * layer_params_rank * w + 2 * root_params_rank * w
     if pp > 1:
         total += 2 * p2p_bytes
     return total

@@ -17,9 +17,11 @@ by each gather; with the optimizer offloaded, a compute-dtype copy instead). Its
    this rank's gradient shard, and let the full gradient go.
 
 Per step each rank therefore moves two all-gathers and one reduce-scatter of every unit, 3Ψ (ZeRO
-section 7.2.2), except the root unit, which is gathered once and kept until its backward, and the last
-units of the forward (the last block and anything small after it), whose weights stay gathered into the
-backward that starts with them.
+section 7.2.2), except the root unit and the last units of the forward (the last block and anything small
+after it), whose weights stay gathered into the backward that starts with them. The root (the parameters
+outside every unit: embeddings, final norm, tied head) is gathered once per step, before the forward, and
+its weights go as soon as no tensor autograd saved reads them (:class:`_RootReaders`): after the head's
+backward, before the embedding's adds a root-sized gradient of its own.
 
 Gradient accumulation adds each micro-batch's reduce-scatter into the shard (one reduce-scatter per
 micro-batch; ``no_sync`` does not defer it). Parameters may only be read inside their unit's forward (they
@@ -28,6 +30,8 @@ sharded: they stay whole and replicated.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -59,6 +63,7 @@ class _Gathered:
         self.pass_: list[_Gathered] | None = None
         self.position = -1
         self.backward_done = False
+        self.released = False  # (root) no saved tensor reads the weights any more: never refill them
 
     def wait(self) -> None:
         if self.handle is not None:
@@ -66,6 +71,72 @@ class _Gathered:
             handle.wait()
             guard.__exit__(None, None, None)
             self.handle = None
+
+
+class _RootReaders:
+    """Counts the tensors autograd saved for backward that read the root unit's gathered weights.
+
+    The root is gathered for the whole forward (its parameters are used anywhere: the embedding first, the
+    tied LM head last) and its gradient only arrives at the end of backward, with the embedding's. Its
+    weights, though, are needed in backward only by the operations that saved them (the head's matmul, a
+    final norm); once autograd has released those saved tensors (it does after each node's backward, unless
+    ``retain_graph``), the weights are dead and their storage goes, before the embedding's backward adds
+    its own root-sized gradient. Saved tensors are seen through ``saved_tensors_hooks`` around the forward:
+    one that reads the root's storage is packed into a :class:`_RootRead`, whose release is counted.
+
+    Each saved tensor is packed detached: the pack hook receives the live tensor, and a saved *output* kept
+    with its ``grad_fn`` would hold the node that holds it, a cycle in C++ that no garbage collection
+    breaks, leaking the whole graph whenever it is dropped without a plain backward (``retain_graph``, or a
+    forward never backpropagated); autograd restores the grad_fn on unpacking (pytorch/pytorch#189025).
+    Hooks the user installed around the call (``save_on_cpu``, their own) still pack every tensor: ours
+    wrap theirs."""
+
+    def __init__(self, gatherer: UnitGatherer, record: _Gathered):
+        self.gatherer, self.record = gatherer, record
+        self.storage = record.full.untyped_storage().data_ptr()
+        self.live = 0
+        self.forward_done = False
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        outer = top(False) if top is not None else None
+        self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
+
+    def _reads_root(self, t: torch.Tensor) -> bool:
+        return (t.layout == torch.strided and t.device == self.record.full.device
+                and t.untyped_storage().data_ptr() == self.storage)
+
+    def pack(self, t: torch.Tensor):
+        packed = self.outer_pack(t) if self.outer_pack is not None else t.detach()
+        if self._reads_root(t):
+            self.live += 1
+            return _RootRead(packed, self)
+        return packed
+
+    def unpack(self, packed):
+        inner = packed.tensor if isinstance(packed, _RootRead) else packed
+        return self.outer_unpack(inner) if self.outer_unpack is not None else inner
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def end_forward(self) -> None:
+        self.forward_done = True
+        if self.live == 0:
+            self.gatherer._release_root(self.record)
+
+    def released_one(self) -> None:
+        self.live -= 1
+        if self.live == 0 and self.forward_done:
+            self.gatherer._release_root(self.record)
+
+
+class _RootRead:
+    __slots__ = ("tensor", "readers")
+
+    def __init__(self, tensor, readers: _RootReaders):
+        self.tensor, self.readers = tensor, readers
+
+    def __del__(self):  # autograd let go of this saved tensor
+        self.readers.released_one()
 
 
 class _GatherFn(torch.autograd.Function):
@@ -157,12 +228,15 @@ class UnitGatherer:
 
     def run_forward(self, module: nn.Module, args, kwargs):
         self._pass = []
-        root_record = None
+        root_record = readers = None
         if self.root is not None:
             root_record = self._materialize(self.root)
             self._bind(self.root, root_record)
+            if torch.is_grad_enabled():
+                readers = _RootReaders(self, root_record)
         try:
-            out = module(*args, **kwargs)
+            with readers.hooks() if readers is not None else contextlib.nullcontext():
+                out = module(*args, **kwargs)
         finally:
             order = [r.unit.index for r in self._pass]
             self._pass = None
@@ -176,9 +250,15 @@ class UnitGatherer:
             needs_grad = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if torch.is_grad_enabled() and needs_grad:
                 register_multi_grad_hook(needs_grad, self._pre_backward_fn(root_record), mode="any")
+                readers.end_forward()  # frees the weights now if no saved tensor reads them
             else:
-                free_storage(root_record.full)
+                self._release_root(root_record)
         return out
+
+    def _release_root(self, record: _Gathered) -> None:
+        record.released = True
+        if record.handle is None:  # gathered and waited for in forward: nothing in flight
+            free_storage(record.full)
 
     def _hook_pre_forward(self, unit: _Unit):
         def hook(module, args):
@@ -261,7 +341,7 @@ class UnitGatherer:
 
     def _refill(self, record: _Gathered) -> None:
         """Start re-gathering a freed unit into its own (autograd-saved) storage."""
-        if record.handle is None and not storage_allocated(record.full):
+        if record.handle is None and not record.released and not storage_allocated(record.full):
             alloc_storage(record.full)
             record.handle = self._issue_gather(record.unit, record.full)
             self._touched.append(record)
