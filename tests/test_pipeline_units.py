@@ -61,6 +61,27 @@ def test_partition_balances_and_names_the_numbers():
         schedules.check_config("1f1b", 4, 3, 1)
 
 
+@pytest.mark.parametrize("backward", ["none", "retain_graph", "plain"])
+def test_activation_meter_counts_and_lets_the_graph_go(backward):
+    """The saved-tensor meter counts a storage once, not the parameters, and lets every saved tensor go with
+    the graph, also one dropped without a backward or kept by ``retain_graph`` (a pack hook keeping a saved
+    output with its grad_fn would leak the graph: exp saves its output)."""
+    from pyparallel.pipeline_parallel import SavedTensorMeter
+
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    meter = SavedTensorMeter(exclude=lin.parameters())
+    with meter:
+        h = lin(x)  # saves x (128 B) and the weight (excluded)
+        y = torch.exp(h)  # saves its output (128 B)
+        loss = (y * y).sum()  # saves y twice: counted once
+    assert meter.live == meter.peak == 2 * 4 * 8 * 4
+    if backward != "none":
+        loss.backward(retain_graph=backward == "retain_graph")
+    del h, y, loss
+    assert meter.live == 0 and meter.peak == 256
+
+
 # ------------------------------------------------------------------------------------ Hugging Face
 
 

@@ -90,6 +90,9 @@ class SavedTensorMeter:
         self.peak = self.live
 
     def _pack(self, t: torch.Tensor):
+        # Detached: a saved output kept with its grad_fn would make a C++ cycle (node -> saved tensor ->
+        # node) that leaks the graph when it is dropped without a backward (pytorch/pytorch#189025).
+        t = t.detach()
         if t.device.type == "meta":
             return t
         storage = t.untyped_storage()
