@@ -138,6 +138,14 @@ def test_strategy_that_does_not_fit_the_model_exits_2(capsys):
     assert "tp=2 does not divide n_head=3" in capsys.readouterr().err
 
 
+def test_bf16_runs_the_zero_rows_and_refuses_the_others(capsys):
+    assert cli.main(["bench", *TINY, "--dtype", "bf16", "--strategies", "zero1,tp"]) == 2
+    err = capsys.readouterr().err
+    assert "strategy 'tp' cannot run: --dtype bf16 runs only zero1, zero2" in err
+    assert S.dtype_misfit(S.known(2)["ddp"], "bf16") and S.dtype_misfit(S.known(2)["ddp"], "fp32") is None
+    assert all(S.dtype_misfit(S.known(2)[n], "bf16") is None for n in ("single", *S.BF16_ROWS))
+
+
 def test_names_and_layouts():
     assert [n for n, s in S.layouts(4).items() if s.zero == 0] == ["dp2xtp2", "dp2xpp2", "tp2xpp2"]
     assert {n for n, s in S.layouts(4).items() if s.zero} == {f"dp2x{a}2-zero{k}" for a in ("tp", "pp")

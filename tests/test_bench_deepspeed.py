@@ -65,6 +65,37 @@ def test_config_is_our_rows_hyper_parameters():
     assert deepspeed_peers.config(1, False, 4, 2, hp)["optimizer"]["params"]["torch_adam"] is True
 
 
+@needs_deepspeed
+def test_bf16_rows_train_in_bf16_and_match_the_reference_at_its_tolerance(tmp_path):
+    """``--dtype bf16``: our ZeRO rows and DeepSpeed's in bf16 with fp32 master weights and reductions; the
+    fp32 reference is unchanged, the bf16 losses differ from it by rounding (so they did run in bf16) and
+    stay within the stated bf16 tolerance."""
+    path = tmp_path / "bench.json"
+    names = ["single", "zero1", "zero3", "deepspeed-zero1", "deepspeed-zero3"]
+    status = cli.main(["bench", *TINY, "--dtype", "bf16", "--strategies", ",".join(names), "--warmup", "1",
+                       "--steps", "2", "--no-progress", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["meta"]["dtype"] == "bf16" and data["tolerance"] == {"rtol": 1e-2, "atol": 1e-3}
+    rows = {r["strategy"]: r for r in data["rows"]}
+    ref = rows["single"]["losses"]
+    for name in names[1:]:
+        row = rows[name]
+        assert row.get("skipped") is None, f"{name}: {row.get('skipped')}"
+        worst = max(abs(a - b) / b for a, b in zip(row["losses"], ref))
+        assert 1e-5 < worst < 1e-2 and row["matches_reference"], f"{name}: {row['losses']} vs {ref}"
+    assert rows["zero1"]["peer"] == "deepspeed-zero1" and rows["zero1"]["ratio"] > 0
+    assert status == 0
+
+
+def test_bf16_config_reduces_in_fp32():
+    from pyparallel.bench.adapter import Hyper
+
+    cfg = deepspeed_peers.config(2, False, 4, 2, Hyper(dtype="bf16"))
+    assert cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
+    assert cfg["communication_data_type"] == "fp32" and cfg["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert "communication_data_type" not in deepspeed_peers.config(2, False, 4, 2, Hyper())
+
+
 @pytest.mark.skipif(_WHY is None, reason="deepspeed imports here: nothing is left out")
 def test_without_deepspeed_the_rows_are_left_out_with_the_reason(capsys):
     assert cli.main(["bench", *TINY, "--strategies", "deepspeed-zero1"]) == 2

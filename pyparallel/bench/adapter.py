@@ -23,6 +23,13 @@ class Hyper:
     lr: float = 1e-3
     weight_decay: float = 0.01
     seed: int = 0
+    # "bf16": bf16 weights and compute, fp32 master weights, optimizer state and gradient reductions (the
+    # ZeRO rows and DeepSpeed's; ``BF16_ROWS``). "fp32": everything in fp32.
+    dtype: str = "fp32"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
 
 
 def adamw(params, hp: Hyper) -> torch.optim.Optimizer:

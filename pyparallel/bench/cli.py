@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8, help="timed steps per strategy (default 8)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per pipeline step (default 4)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: bf16 weights and compute with fp32 master weights, optimizer state and reductions, "
+                   "for the ZeRO rows and DeepSpeed's (the reference stays fp32; default fp32)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="cuda (NCCL) when there is a GPU per process, else cpu (gloo)")
     p.add_argument("--cluster", default=None, help="the planner's hardware preset for predicted step times "
@@ -49,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args, strategies, device, cluster="cpu"):
+    from pyparallel.bench.adapter import Hyper
     from pyparallel.bench.runner import BenchConfig
 
     overrides = {k: v for k, v in (("n_layer", args.layers), ("n_embd", args.hidden), ("n_head", args.heads),
@@ -60,7 +64,7 @@ def _config(args, strategies, device, cluster="cpu"):
         raise ValueError(f"--seq {seq} exceeds the model's block size {cfg.block_size}")
     return BenchConfig(nprocs=args.nprocs, model=args.model, overrides=overrides, batch=args.batch, seq=seq,
                        steps=args.steps, warmup=args.warmup, microbatches=args.microbatches, device=device,
-                       cluster=cluster, strategies=tuple(strategies))
+                       cluster=cluster, strategies=tuple(strategies), hp=Hyper(dtype=args.dtype))
 
 
 def _select(args, cfg) -> tuple[list, list[str]]:
@@ -71,7 +75,8 @@ def _select(args, cfg) -> tuple[list, list[str]]:
     explicit = set(args.strategies.split(",")) if args.strategies else set()
     keep, notes = [], []
     for spec in chosen:
-        why = S.misfit(spec, cfg, args.batch, args.microbatches) or unavailable(spec)
+        why = (S.misfit(spec, cfg, args.batch, args.microbatches) or S.dtype_misfit(spec, args.dtype)
+               or unavailable(spec))
         if why is None:
             keep.append(spec)
         elif spec.name in explicit:
@@ -155,7 +160,7 @@ def _run(config, args, notes, hide_reference, argv) -> int:
     meta = {"model": config.model, "overrides": config.overrides, "nprocs": config.nprocs,
             "device": config.device, "cluster": config.cluster, "batch": config.batch, "seq": config.seq,
             "steps": config.steps, "warmup": config.warmup, "microbatches": config.microbatches,
-            "torch": torch.__version__,
+            "dtype": config.hp.dtype, "torch": torch.__version__,
             "command": "pyparallel bench " + shlex.join(argv), "elapsed_s": round(elapsed, 2), "notes": notes}
     print(report.table(rows))
     for note in notes:

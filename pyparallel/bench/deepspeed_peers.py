@@ -3,7 +3,8 @@
 The rows ``deepspeed-zero1/2/3`` and ``deepspeed-zero3-offload`` train the same ``GPT(cfg, seed)`` on the
 same rows of the same batches as ours, built through ``deepspeed.initialize`` with a configuration that
 means what our rows mean: AdamW (lr, betas, eps, weight decay of :class:`~pyparallel.bench.adapter.Hyper`),
-fp32 weights, gradients and reductions, no clipping, one micro-batch per step, the ZeRO stage of the row.
+fp32 weights, gradients and reductions (with ``--dtype bf16``: bf16 weights and compute, fp32 master weights
+and reductions), no clipping, one micro-batch per step, the ZeRO stage of the row.
 Everything else is DeepSpeed's default (bucket sizes, ``overlap_comm``, stage 3's persistence threshold),
 because that is what a user who picks DeepSpeed gets. Without offload the optimizer is ``torch.optim.AdamW``
 (``torch_adam``: DeepSpeed's FusedAdam needs a GPU); with offload it is DeepSpeed's own CPU Adam
@@ -87,6 +88,7 @@ def unavailable() -> str | None:
 
 def config(stage: int, offload: bool, micro_batch: int, dp: int, hp) -> dict:
     """The DeepSpeed configuration equivalent to our row (module doc)."""
+    bf16 = getattr(hp, "dtype", "fp32") == "bf16"
     zero = {"stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
@@ -101,10 +103,13 @@ def config(stage: int, offload: bool, micro_batch: int, dp: int, hp) -> dict:
         "optimizer": {"type": "AdamW", "params": params},
         "zero_optimization": zero,
         "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": bf16},
         "steps_per_print": 1 << 30,  # no progress lines inside the timed steps
         "wall_clock_breakdown": False,
         "comms_logger": {"enabled": True, "prof_all": True, "verbose": False},
+        # bf16: gradients reduced and accumulated in fp32, as our rows do (DeepSpeed's default would reduce
+        # in the bf16 compute dtype).
+        **({"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}} if bf16 else {}),
     }
 
 

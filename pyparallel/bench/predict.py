@@ -2,7 +2,10 @@
 
 The bench trains fp32 weights with AdamW (16 bytes per parameter: 4 weights + 4 grads + 8 for m and v,
 no master copy), so the planner is asked for dtype "fp32" and optimizer "adamw"; asking for its bf16
-default would predict the same 16 bytes per parameter but half the activations and traffic. The model is
+default would predict the same 16 bytes per parameter but half the activations and traffic. With
+``--dtype bf16`` the planner is asked for "bf16", whose mixed-precision model (Rajbhandari et al.'s 2 + 2 + 12
+bytes) reduces gradients in bf16 where the bench's rows reduce them in fp32: their states and traffic come
+out above the prediction, which the flags show. The model is
 the planner's :class:`~pyparallel.planner.ModelSpec` of the built-in GPT's shape; a rank's parameters are
 its pipeline stage's share (embeddings on the first, final norm and a copy of the tied head on the last)
 divided by tp, as in the planner's search.
@@ -37,7 +40,7 @@ def model_spec(cfg) -> ModelSpec:
                      tied=cfg.tie_embeddings, bias=cfg.bias, default_seq_len=cfg.block_size)
 
 
-def vocab_transient_bytes(spec, model: ModelSpec, seq: int, micro: int, stage: int) -> float:
+def vocab_transient_bytes(spec, model: ModelSpec, seq: int, micro: int, stage: int, dtype: str = DTYPE) -> float:
     """What a ``pyparallel.parallelize`` rank holding the embedding or the LM head keeps for a moment beyond
     its states and saved activations, at the larger of two instants (never both at once):
 
@@ -54,7 +57,7 @@ def vocab_transient_bytes(spec, model: ModelSpec, seq: int, micro: int, stage: i
     (ZeRO-3 without a pipeline counts its root unit's gradients in ``buffer_bytes`` already)."""
     if spec.is_peer or (spec.tp == 1 and spec.pp == 1) or (spec.zero == 3 and spec.dp > 1 and spec.pp == 1):
         return 0.0
-    w = pmem.DTYPE_BYTES[DTYPE]
+    w = pmem.DTYPE_BYTES[dtype]
     tp, last = spec.tp, stage == spec.pp - 1
     if stage != 0 and not last:
         return 0.0
@@ -63,7 +66,8 @@ def vocab_transient_bytes(spec, model: ModelSpec, seq: int, micro: int, stage: i
     return max(grad, loss)
 
 
-def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int, on_cpu: bool) -> dict:
+def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int, on_cpu: bool,
+                 dtype: str = DTYPE) -> dict:
     """Planner figures for the rank on pipeline stage ``stage`` of ``spec``.
 
     ``model_state_bytes`` counts what lives in the memory the bench measures: on a CPU run that includes
@@ -78,19 +82,19 @@ def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int,
     v = spec.virtual if spec.schedule == "interleaved" else 1
     layers = stage_layers(model.layers, pp, stage)
     params_rank = stage_params(model, pp, stage) / tp
-    states = model_state_bytes(params_rank, spec.planner_strategy, dp, DTYPE, OPTIMIZER, spec.offload)
+    states = model_state_bytes(params_rank, spec.planner_strategy, dp, dtype, OPTIMIZER, spec.offload)
     state_total = states["total"] + (states["cpu"] if on_cpu else 0)
     act = pmem.stage_activation_bytes(model, seq, micro, tp, pp, stage, layers, m, spec.schedule, v,
-                                      recompute=ATTENTION_AS, dtype=DTYPE)
-    p2p = micro * seq * model.hidden * pmem.DTYPE_BYTES[DTYPE]
+                                      recompute=ATTENTION_AS, dtype=dtype)
+    p2p = micro * seq * model.hidden * pmem.DTYPE_BYTES[dtype]
     root = (model.embedding_params() + model.head_params()) / tp
-    buffers = pmem.buffer_bytes(params_rank, model.layer_params() / tp, spec.zero, dp, DTYPE, BUCKET_MB, p2p, pp,
+    buffers = pmem.buffer_bytes(params_rank, model.layer_params() / tp, spec.zero, dp, dtype, BUCKET_MB, p2p, pp,
                                 root)
-    phases = traffic.dp_phases(params_rank, spec.zero, dp, DTYPE, m, BUCKET_MB * 2**20, pp=pp)
-    phases += traffic.tp_phase(layers, seq, micro, model.hidden, tp, m, DTYPE)
-    phases += traffic.pp_phase(seq, micro, model.hidden, pp, m, tp, dtype=DTYPE, virtual_stages=v)
+    phases = traffic.dp_phases(params_rank, spec.zero, dp, dtype, m, BUCKET_MB * 2**20, pp=pp)
+    phases += traffic.tp_phase(layers, seq, micro, model.hidden, tp, m, dtype)
+    phases += traffic.pp_phase(seq, micro, model.hidden, pp, m, tp, dtype=dtype, virtual_stages=v)
     comm = traffic.summarize(phases)
-    transient = vocab_transient_bytes(spec, model, seq, micro, stage)
+    transient = vocab_transient_bytes(spec, model, seq, micro, stage, dtype)
     return {
         "model_state_bytes": int(state_total),
         "activation_bytes": int(act["total"]),
@@ -104,13 +108,14 @@ def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int,
     }
 
 
-def predict_step_time(spec, cfg, batch: int, seq: int, microbatches: int, cluster: str) -> float:
+def predict_step_time(spec, cfg, batch: int, seq: int, microbatches: int, cluster: str,
+                      dtype: str = DTYPE) -> float:
     """The planner's step time for this layout on the ``cluster`` preset ("cpu": gloo processes, 0.1
     TFLOP/s each at efficiency 0.5): compute over the processes, stretched by the bubble, plus the traffic
     it cannot hide (docs/planner.md, "Time")."""
     m = microbatches if spec.pp > 1 else 1
     v = spec.virtual if spec.schedule == "interleaved" else 1
-    train = TrainSpec(seq_len=seq, global_batch=batch, micro_batch=batch // spec.dp // m, dtype=DTYPE,
+    train = TrainSpec(seq_len=seq, global_batch=batch, micro_batch=batch // spec.dp // m, dtype=dtype,
                       optimizer=OPTIMIZER, recompute=ATTENTION_AS, schedule=spec.schedule, virtual_stages=v)
     problem = Problem(model_spec(cfg), train, resolve_cluster(cluster), SearchOptions(gpus=spec.world))
     cand = evaluate(problem, spec.dp, spec.tp, spec.pp, spec.zero, spec.offload, train.micro_batch, m)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pyparallel.bench.results import ATOL, KEYS, RTOL
+from pyparallel.bench.results import KEYS, tolerance
 
 _COLUMNS = [
     ("strategy", "strategy"), ("layout", "dp×tp×pp"), ("step_ms", "step ms meas/pred"), ("tokens_per_s", "tok/s"),
@@ -61,12 +61,15 @@ def table(rows: list[dict]) -> str:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     head, body = _grid(rows)
-    lines = [f"# pyparallel bench: {meta['model']} on {meta['nprocs']} × {meta['device']}", "",
+    dtype = meta.get("dtype", "fp32")
+    rtol, atol = tolerance(dtype)
+    against = "" if dtype == "fp32" else f" (the {dtype} rows against the fp32 reference)"
+    lines = [f"# pyparallel bench: {meta['model']} on {meta['nprocs']} × {meta['device']}, {dtype}", "",
              f"`{meta['command']}`", "",
              f"Global batch {meta['batch']} × {meta['seq']} tokens, {meta['steps']} timed steps after "
              f"{meta['warmup']} warm-up steps, {meta['microbatches']} micro-batches under a pipeline; "
              f"torch {meta['torch']}. Losses match the single-process reference when "
-             f"torch.allclose(rtol={RTOL:g}, atol={ATOL:g}) holds at every step. Flags: `states` when the "
+             f"torch.allclose(rtol={rtol:g}, atol={atol:g}) holds at every step{against}. Flags: `states` when the "
              "planner is more than 10% off the measured model-state bytes, `peak` when more than 25% off "
              "the peak. ours/peer: our step time over the peer's (PyTorch's or DeepSpeed's; our row shows its "
              "first peer's).", "",
@@ -82,7 +85,8 @@ def to_json(rows: list[dict], meta: dict) -> dict:
         row = {k: r.get(k) for k in KEYS}
         row.update({k: v for k, v in r.items() if k not in row})
         out.append(row)
-    return {"meta": meta, "tolerance": {"rtol": RTOL, "atol": ATOL}, "rows": out}
+    rtol, atol = tolerance(meta.get("dtype", "fp32"))
+    return {"meta": meta, "tolerance": {"rtol": rtol, "atol": atol}, "rows": out}
 
 
 def write_json(path: str, rows: list[dict], meta: dict) -> None:

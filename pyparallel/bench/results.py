@@ -17,6 +17,14 @@ from pyparallel.bench.predict import predict_rank, predict_step_time
 
 # Losses equal "within fp32 tolerance": what torch.allclose calls close with these.
 RTOL, ATOL = 1e-4, 1e-5
+# bf16 rows (``--dtype bf16``) against the same fp32 reference: bf16 weights and activations carry a relative
+# rounding error of 2^-8, and over the bench's steps the losses drift by a few parts in a thousand from the
+# fp32 run (docs/bench.md); 1% says the row trained the same model, not that it is bit-equal.
+BF16_RTOL, BF16_ATOL = 1e-2, 1e-3
+
+
+def tolerance(dtype: str) -> tuple[float, float]:
+    return (BF16_RTOL, BF16_ATOL) if dtype == "bf16" else (RTOL, ATOL)
 # A prediction further than this from the measurement flags the row (relative to the measurement).
 STATE_TOLERANCE, PEAK_TOLERANCE = 0.10, 0.25
 
@@ -40,11 +48,12 @@ def replica_losses(records: list[dict]) -> list[float | None]:
     return out
 
 
-def losses_match(losses, reference) -> bool:
+def losses_match(losses, reference, dtype: str = "fp32") -> bool:
     if not losses or reference is None or any(x is None for x in losses) or len(losses) != len(reference):
         return False
+    rtol, atol = tolerance(dtype)
     return bool(torch.allclose(torch.tensor(losses, dtype=torch.float64),
-                               torch.tensor(reference, dtype=torch.float64), rtol=RTOL, atol=ATOL))
+                               torch.tensor(reference, dtype=torch.float64), rtol=rtol, atol=atol))
 
 
 def _off(measured, predicted, tolerance) -> bool:
@@ -65,14 +74,15 @@ def build_row(spec, records, config, reference, on_cpu) -> dict:
     times = [max(ts) for ts in zip(*(r["times"] for r in records))]
     step = statistics.median(times) if times else None
     losses = replica_losses(records)
-    preds = [predict_rank(spec, cfg, config.batch, config.seq, config.microbatches, r["coords"]["pp"], on_cpu)
-             for r in records]
+    dtype = "fp32" if spec.name == "single" else config.hp.dtype  # the reference always runs fp32
+    preds = [predict_rank(spec, cfg, config.batch, config.seq, config.microbatches, r["coords"]["pp"], on_cpu,
+                          dtype) for r in records]
     peaks = [r["peak_bytes"] for r in records]
     bubbles = [r["stats"].get("bubble_fraction") for r in records if r["stats"].get("bubble_fraction") is not None]
     row.update({
         "step_time_s": step,
         "predicted_step_time_s": predict_step_time(spec, cfg, config.batch, config.seq, config.microbatches,
-                                                   config.cluster),
+                                                   config.cluster, dtype),
         "tokens_per_s": config.batch * config.seq / step if step else None,
         "model_state_bytes": max(r["states"]["total"] for r in records),
         "predicted_model_state_bytes": max(p["model_state_bytes"] for p in preds),
@@ -84,7 +94,7 @@ def build_row(spec, records, config, reference, on_cpu) -> dict:
         "bubble_fraction": max(bubbles) if bubbles else None,
         "predicted_bubble_fraction": preds[0]["bubble_fraction"] if spec.pp > 1 else None,
         "final_loss": losses[-1] if losses else None,
-        "matches_reference": losses_match(losses, reference),
+        "matches_reference": losses_match(losses, reference, dtype),
         "losses": losses,
         "ranks": [_rank_detail(r, p) for r, p in zip(records, preds)],
     })

@@ -74,14 +74,22 @@ def _batches(config: BenchConfig, cfg, dev):
     return out
 
 
-def _warm_up(cfg, dev) -> None:
-    """One throwaway step so lazily loaded kernels and libraries do not land in the first row's memory."""
+def _warm_up(cfg, dev, config) -> None:
+    """One throwaway step so lazily loaded kernels and libraries do not land in the first row's memory.
+
+    With ``--dtype bf16`` a second one in bf16 at a rank's own batch shape: the CPU's bf16 kernels (oneDNN)
+    generate their code and scratch buffers per shape on first use, ~15 MB on the bench's small model,
+    which would otherwise count in the first bf16 row's peak only."""
     from pyparallel.models.gpt import GPT, synthetic_batch
 
     model = GPT(cfg, seed=0).to(dev)
     idx, tgt = synthetic_batch(cfg, 2, 8, seed=0)
     model(idx.to(dev), tgt.to(dev)).backward()
     torch.optim.AdamW(model.parameters()).step()
+    if config.hp.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+        idx, tgt = synthetic_batch(cfg, max(1, config.batch // config.nprocs), config.seq, seed=0)
+        model(idx.to(dev), tgt.to(dev)).backward()
 
 
 def _build(spec, base, cfg, config):
@@ -228,7 +236,7 @@ def worker(config: BenchConfig, queue=None) -> list[dict]:
     dev = base.device
     if any(s.name in deepspeed_peers.ROWS for s in config.strategies):
         deepspeed_peers.preload(backend)
-    _warm_up(cfg, dev)
+    _warm_up(cfg, dev, config)
     batches = _batches(config, cfg, dev)
 
     def progress(name, n):

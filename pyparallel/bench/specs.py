@@ -74,6 +74,18 @@ DEEPSPEED_PEERS = {
 PEERS_2D = {"torch-fsdp2xtp": "FSDP2 fully_shard over DTensor TP (ColwiseParallel/RowwiseParallel), 2-D DeviceMesh"}
 
 
+# The rows ``--dtype bf16`` runs (mixed precision with fp32 master weights and reductions); the reference
+# (``single``) stays fp32 and the other rows have no bf16 mode in the bench.
+BF16_ROWS = ("zero1", "zero2", "zero3", "zero3-offload", *DEEPSPEED_PEERS)
+
+
+def dtype_misfit(spec: StrategySpec, dtype: str) -> str | None:
+    """Why ``spec`` does not run at ``dtype``, or None."""
+    if dtype == "fp32" or spec.name == "single" or spec.name in BF16_ROWS:
+        return None
+    return f"--dtype {dtype} runs only {', '.join(BF16_ROWS)}; {spec.name} has no {dtype} mode in the bench"
+
+
 def named(world: int) -> dict[str, StrategySpec]:
     """Every fixed name at this world size (the single-axis strategies use the whole world)."""
     n = world

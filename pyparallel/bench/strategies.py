@@ -73,7 +73,8 @@ class Zero(Single):
 
         self.model, self.opt = zero.setup(self.new_model(), self.mesh, stage=self.spec.zero,
                                           optimizer=torch.optim.AdamW, lr=self.hp.lr,
-                                          weight_decay=self.hp.weight_decay, offload_optimizer=self.spec.offload)
+                                          weight_decay=self.hp.weight_decay, offload_optimizer=self.spec.offload,
+                                          param_dtype=torch.bfloat16 if self.hp.dtype == "bf16" else None)
 
     def step(self, idx, tgt):
         idx, tgt = (dp_rows(t, self.mesh.dp, self.mesh.dp_rank) for t in (idx, tgt))
