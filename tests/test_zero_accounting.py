@@ -190,12 +190,19 @@ def root_release_body(mode):
     events, records, user = [], [], {"pack": 0, "unpack": 0}
     release = gatherer._release_root
 
+    materialize = gatherer._materialize
+
     def spy(record):
         events.append("release")
-        records.append(record)
         release(record)
 
-    gatherer._release_root = spy
+    def gathered(unit):  # the root's weights of each step
+        record = materialize(unit)
+        if unit is gatherer.root:
+            records.append(record)
+        return record
+
+    gatherer._release_root, gatherer._materialize = spy, gathered
 
     def on_output(name):
         def hook(module, args, out):
@@ -218,8 +225,13 @@ def root_release_body(mode):
     steps = []
     for _ in range(2):
         events.clear()
-        with torch.autograd.graph.saved_tensors_hooks(user_pack, user_unpack) if mode == "user hooks" \
-                else contextlib.nullcontext():
+        if mode == "user hooks":
+            ctx = torch.autograd.graph.saved_tensors_hooks(user_pack, user_unpack)
+        elif mode == "hooks disabled":  # entering saved-tensor hooks raises there: the root stays instead
+            ctx = torch.autograd.graph.disable_saved_tensors_hooks("not here")
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
             loss = model(idx, tgt)
         forward_events = list(events)
         if mode != "no backward":
@@ -234,7 +246,7 @@ def root_release_body(mode):
     return steps, user
 
 
-@pytest.mark.parametrize("mode", ["backward", "retain_graph", "no backward", "user hooks"])
+@pytest.mark.parametrize("mode", ["backward", "retain_graph", "no backward", "user hooks", "hooks disabled"])
 def test_zero3_frees_the_root_weights_once_the_head_backward_is_done(mode):
     """The root unit (embeddings, final norm, the tied head) is read at both ends of the forward, so stage 3
     gathers it once for the step; its weights are needed in backward only by what saved them (the head's
@@ -242,13 +254,15 @@ def test_zero3_frees_the_root_weights_once_the_head_backward_is_done(mode):
     a root-sized gradient of its own (the planner's 2 x root). With ``retain_graph``, or a forward that is
     never backpropagated, they stay until the graph is dropped -- and the graph is dropped (a saved-tensor
     hook that kept a saved output's grad_fn would leak it). The user's own saved-tensor hooks still see
-    every saved tensor."""
+    every saved tensor; where the user disabled saved-tensor hooks the weights stay to the root's backward."""
     for steps, user in run(root_release_body, 2, mode):
         for forward_events, backward_events, after, allocated in steps:
             assert forward_events == []  # the head's matmul saved the weights: nothing freed in forward
             if mode in ("backward", "user hooks"):
                 assert backward_events == ["head grad", "release", "embed grad"]
                 assert after == backward_events
+            elif mode == "hooks disabled":  # held to the root's post-backward, as before the early release
+                assert backward_events == ["head grad", "embed grad"] and after == backward_events
             elif mode == "retain_graph":
                 assert backward_events == ["head grad", "embed grad"]
                 assert after == ["head grad", "embed grad", "release"]

@@ -27,10 +27,6 @@ class Hyper:
     # ZeRO rows and DeepSpeed's; ``BF16_ROWS``). "fp32": everything in fp32.
     dtype: str = "fp32"
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
-
 
 def adamw(params, hp: Hyper) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay)

@@ -129,7 +129,15 @@ class _RootReaders:
             self.gatherer._release_root(self.record)
 
 
+def _saved_tensor_hooks_allowed() -> bool:
+    """False inside ``torch.autograd.graph.disable_saved_tensors_hooks`` (entering hooks there raises)."""
+    check = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return check is None or check()
+
+
 class _RootRead:
+    """One saved tensor that reads the root's weights; its deletion is autograd releasing it."""
+
     __slots__ = ("tensor", "readers")
 
     def __init__(self, tensor, readers: _RootReaders):
@@ -232,7 +240,7 @@ class UnitGatherer:
         if self.root is not None:
             root_record = self._materialize(self.root)
             self._bind(self.root, root_record)
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and _saved_tensor_hooks_allowed():
                 readers = _RootReaders(self, root_record)
         try:
             with readers.hooks() if readers is not None else contextlib.nullcontext():
@@ -250,7 +258,8 @@ class UnitGatherer:
             needs_grad = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if torch.is_grad_enabled() and needs_grad:
                 register_multi_grad_hook(needs_grad, self._pre_backward_fn(root_record), mode="any")
-                readers.end_forward()  # frees the weights now if no saved tensor reads them
+                if readers is not None:  # else the weights stay until the root's post-backward
+                    readers.end_forward()  # frees them now if no saved tensor reads them
             else:
                 self._release_root(root_record)
         return out
