@@ -86,7 +86,7 @@ def test_builtin_plan_t2(kind):
     assert "VocabParallelEmbedding" in kinds and "RowParallelLinear" in kinds
 
 
-@pytest.mark.parametrize("kind", ["llama", "phi3", "gemma2", "gpt2"])
+@pytest.mark.parametrize("kind", HF_FAMILIES)
 def test_builtin_plan_t4(kind):
     run(parity_body, 4, kind, dict(heads=8, kv_heads=4))  # 2 query heads and 1 KV head per rank
 
