@@ -101,8 +101,12 @@ class _RootReaders:
         self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
 
     def _reads_root(self, t: torch.Tensor) -> bool:
-        return (t.layout == torch.strided and t.device == self.record.full.device
-                and t.untyped_storage().data_ptr() == self.storage)
+        if t.layout != torch.strided or t.device != self.record.full.device:
+            return False
+        try:
+            return t.untyped_storage().data_ptr() == self.storage
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage of its own
+            return False
 
     def pack(self, t: torch.Tensor):
         packed = self.outer_pack(t) if self.outer_pack is not None else t.detach()
