@@ -89,6 +89,19 @@ def _node_of(t: torch.Tensor):
     return get_gradient_edge(t).node
 
 
+def _params_under(n, children: dict, param_nodes: dict, reach: dict) -> set:
+    """The parameter nodes reachable from ``n`` (memoised in ``reach``). A module-level function, not a
+    closure: a closure that calls itself is a reference cycle, and this one would hold every node of the
+    graph (``children``), and so every saved tensor of the micro-batch, until the garbage collector ran."""
+    if n in reach:
+        return reach[n]
+    out = {n} if n in param_nodes else set()
+    for k in children[n]:
+        out |= _params_under(k, children, param_nodes, reach)
+    reach[n] = out
+    return out
+
+
 def _analyse(root, x_node, param_nodes: dict) -> list[_Group]:
     """Intermediates of the graph under ``root`` and the parameter groups they reach (module doc)."""
     children: dict = {}
@@ -113,18 +126,6 @@ def _analyse(root, x_node, param_nodes: dict) -> list[_Group]:
                 changed = True
     # Parameters reachable from each node outside the input path (memoised DFS over the weight branches).
     reach: dict = {}
-
-    def params_under(n):
-        if n in reach:
-            return reach[n]
-        out = set()
-        if n in param_nodes:
-            out.add(n)
-        for k in children[n]:
-            out |= params_under(k)
-        reach[n] = out
-        return out
-
     parent: dict = {}
 
     def find(a):
@@ -140,7 +141,7 @@ def _analyse(root, x_node, param_nodes: dict) -> list[_Group]:
         mine = set()
         for k in children[n]:
             if k not in to_x:
-                mine |= params_under(k)
+                mine |= _params_under(k, children, param_nodes, reach)
         if mine:
             owners[n] = mine
             for q in mine:
