@@ -16,8 +16,8 @@ the meta device with ``weights=`` / ``init=``: then no rank ever holds more than
    layers for column/row/vocabulary-parallel ones over ``mesh.tp_group`` (built-in plans for the GPT,
    Hugging Face GPT-2 and LLaMA); the loss becomes the vocabulary-parallel cross-entropy.
 2. Pipeline parallelism over ``mesh.pp_group``: ``to_blocks`` splits the model into embedding, layers and
-   head, and each rank keeps its chunk(s); ``schedule`` is "gpipe", "1f1b" or "interleaved". With one
-   stage this is plain micro-batching (gradient accumulation).
+   head, and each rank keeps its chunk(s); ``schedule`` is any of the pipeline's ("gpipe", "1f1b",
+   "interleaved", "zb-h1", "zbv"). With one stage this is plain micro-batching (gradient accumulation).
 3. Data parallelism over ``mesh.dp_group`` by the one sharded engine (``zero.engine.ShardEngine``): plain
    (``zero_stage=0``), or ZeRO stage 1 / 2 / 3 (optimizer state / + gradients / + parameters sharded over
    the DP ranks of the stage; a TP shard is sharded again over DP, as FSDP2 over DTensor does). The

@@ -124,6 +124,16 @@ def test_layouts_equal_one_process():
     assert held[0][0] < total and held[0][1] < total  # each rank really holds a part
 
 
+def test_zero_bubble_schedules_inside_parallelize():
+    """ZB-H1 and ZBV (split backward, deferred W) under TP x PP and DP x PP with ZeRO equal one process."""
+    configs = [
+        (1, 2, 2, 0, 2, "zb-h1", 1, None),  # TP2 x PP2
+        (2, 1, 2, 3, 4, "zbv", 2, 0.05),  # DP2 ZeRO-3 x PP2, the V (first and last chunk on rank 0), clipped
+        (2, 1, 2, 1, 2, "zb-h1", 1, None),  # DP2 ZeRO-1 x PP2, the tied weight across the stages
+    ]
+    run(layouts_body, 4, configs)
+
+
 def tp_pp_clip_body():
     """TP2 x PP2 with clipping: the norm counts replicated LayerNorms once and the tied weight once."""
     ref = reference(gpt, clip=0.05)
