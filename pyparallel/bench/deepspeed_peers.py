@@ -88,7 +88,7 @@ def unavailable() -> str | None:
 
 def config(stage: int, offload: bool, micro_batch: int, dp: int, hp) -> dict:
     """The DeepSpeed configuration equivalent to our row (module doc)."""
-    bf16 = getattr(hp, "dtype", "fp32") == "bf16"
+    bf16 = hp.dtype == "bf16"
     zero = {"stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
