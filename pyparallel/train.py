@@ -6,6 +6,7 @@ periodic checkpoints and resume.
     torchrun --nproc-per-node 4 -m pyparallel.cli train --tp 2  # or under torchrun (any number of nodes)
     pyparallel train --pp 2 --micro-batches 4 --zero 1 --dtype bf16 --checkpoint-dir ckpt --save-every 50
     pyparallel train ... --checkpoint-dir ckpt --resume        # continue from ckpt/latest
+    pyparallel train ... --checkpoint-dir /local/ckpt --checkpoint-storage node-local   # each node's own disk
     pyparallel train --model hf-folder --tp 2 --checkpoint-dir ckpt --export tuned   # fine-tune, export
 
 Text is the corpus shipped with the package, or ``--text``, encoded byte-level (vocabulary 256), or by the
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-storage", default="shared", choices=("shared", "node-local"),
+                   help="shared (default): --checkpoint-dir is one folder every node sees; node-local: a folder "
+                   "on each node's own disk, each node keeping its own ranks' pieces (a resume needs the same "
+                   "layout, with every rank on the node that saved it)")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint, if any (a "
                    "Hugging Face folder's weights are then not read: the checkpoint holds every value)")
@@ -86,6 +91,8 @@ def check_args(args) -> None:
         raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
     if (args.save_every or args.resume) and not args.checkpoint_dir:
         raise ValueError("--save-every and --resume need --checkpoint-dir")
+    if args.checkpoint_storage != "shared" and not args.checkpoint_dir:
+        raise ValueError(f"--checkpoint-storage {args.checkpoint_storage} needs --checkpoint-dir")
     if args.export is not None:
         if not args.checkpoint_dir:
             raise ValueError("--export needs --checkpoint-dir (it exports the final checkpoint)")
@@ -148,7 +155,8 @@ def preflight(args) -> None:
         schedules.check_schedule(args.schedule, args.pp, v)
         schedules.check_config(args.schedule, args.pp, args.micro_batches or args.pp, v)
         partition.plan_chunks(partition.to_blocks(model)[0], args.pp, v, None)
-    if args.resume and args.checkpoint_dir:
+    # Node-local checkpoints are found (and their model checked) by all ranks together, in train().
+    if args.resume and args.checkpoint_dir and args.checkpoint_storage == "shared":
         folder, _ = resume_folder(args.checkpoint_dir)
         if folder is not None:
             from pyparallel import checkpoint
@@ -299,7 +307,8 @@ def _save(args, pm, step: int, rank: int) -> None:
 
     if os.environ.get("PYPARALLEL_FAULT"):
         checkpoint.store._before_commit = lambda: _maybe_fail(rank, step, "save")  # test seam
-    checkpoint.save(args.checkpoint_dir, pm, pm.optimizer, step=step, extra={"model": args.model})
+    checkpoint.save(args.checkpoint_dir, pm, pm.optimizer, step=step, extra={"model": args.model},
+                    storage=args.checkpoint_storage)
 
 
 # -------------------------------------------------------------------------------------------- train
@@ -314,7 +323,11 @@ def train(args) -> dict:
 
     mesh = pyparallel.init(dp=args.dp, tp=args.tp, pp=args.pp)
     tokens, vocab, encoding = encode_text(args)
-    folder, note = resume_folder(args.checkpoint_dir) if args.resume else (None, None)
+    node_local = args.checkpoint_storage == "node-local"
+    if args.resume and node_local:
+        folder, note = _node_local_resume(args, mesh), None
+    else:
+        folder, note = resume_folder(args.checkpoint_dir) if args.resume else (None, None)
     weights = hf_weights(args.model)
     if weights is not None:
         # No rank builds the whole model: it is split on meta and each rank reads its slices of the folder;
@@ -335,12 +348,12 @@ def train(args) -> dict:
                                 clip_grad_norm=args.clip or None, offload_optimizer=args.offload,
                                 weights=weights)
     start = 0
-    if args.resume:
+    if args.resume and not node_local:
         _same_checkpoint_everywhere(mesh, args.checkpoint_dir, folder)
     if folder is not None:
         if note and mesh.rank == 0:
             print(f"pyparallel train: {note}", file=sys.stderr, flush=True)
-        start = checkpoint.load(folder, pm, pm.optimizer)["step"]
+        start = checkpoint.load(folder, pm, pm.optimizer, storage=args.checkpoint_storage)["step"]
     rows = pm.batch_slice(args.batch)
     first = mesh.rank == 0
     bar = _progress(first and not args.no_progress, start, args.steps)
@@ -382,6 +395,23 @@ def _export(args, mesh) -> None:
             tok.save_pretrained(args.export)
         print(f"pyparallel train: exported {args.export}", file=sys.stderr, flush=True)
     comm.barrier(mesh.world_group)
+
+
+def _node_local_resume(args, mesh) -> str | None:
+    """This rank's folder of the newest save complete on every node (all ranks together), checked to come
+    from the same --model; None when no node has a checkpoint yet."""
+    from pyparallel import checkpoint
+
+    try:
+        folder = checkpoint.newest_common(args.checkpoint_dir, mesh)
+    except checkpoint.CheckpointError as exc:
+        raise checkpoint.CheckpointError(f"--resume: {exc}") from None
+    if folder is not None:
+        saved = checkpoint.read_manifest(folder, verify=False).get("extra", {}).get("model")
+        if saved is not None and saved != args.model:
+            raise ValueError(f"--resume: {folder!r} was saved by a run with --model {saved!r}, this one has "
+                             f"--model {args.model!r}")
+    return folder
 
 
 def _same_checkpoint_everywhere(mesh, root: str, folder: str | None) -> None:

@@ -21,7 +21,7 @@ import struct
 
 import torch
 
-from pyparallel.checkpoint.format import CheckpointError, _assemble, read_manifest
+from pyparallel.checkpoint.format import CheckpointError, _assemble, read_manifest, require_all_files
 
 PREFIX = "model/"
 SINGLE = "model.safetensors"
@@ -70,6 +70,7 @@ class _Source:
                                   f"manifest.json); it needs no export")
         self.folder = resolve(root)
         self.manifest = read_manifest(self.folder, verify=verify)
+        require_all_files(self.folder, self.manifest, "an export")
         self.records: dict[str, list[dict]] = {}
         for rec in self.manifest["pieces"]:
             if rec["name"].startswith(prefix):

@@ -99,13 +99,34 @@ def read_manifest(folder: str, verify: bool = True) -> dict:
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath} is not a {FORMAT} manifest")
     if verify:
+        own = manifest.get("node") if manifest.get("storage") == "node-local" else None
         for fname, meta in manifest["files"].items():
             path = os.path.join(folder, fname)
             if not os.path.exists(path):
+                if own is not None and meta.get("node") != own:
+                    continue  # another node's file of a node-local save: that node's folder holds it
                 raise CheckpointError(f"checkpoint {folder!r} is incomplete: {fname} is missing")
             if os.path.getsize(path) != meta["bytes"] or _sha256(path) != meta["sha256"]:
                 raise CheckpointError(f"checkpoint {folder!r} is corrupt: {fname} does not match its checksum")
     return manifest
+
+
+def require_all_files(folder: str, manifest: dict, what: str) -> None:
+    """A CheckpointError when ``folder`` is one node's copy of a node-local save that lacks other nodes'
+    files (``what`` needs every piece: the shared-storage load, ``read_tensors``, the exports)."""
+    if manifest.get("storage") != "node-local":
+        return
+    missing = sorted(f for f in manifest["files"] if not os.path.exists(os.path.join(folder, f)))
+    if not missing:
+        return
+    nodes = sorted({manifest["files"][f].get("node") for f in missing})
+    held = ", ".join(f"node {k} ({', '.join(manifest['nodes'][k]['hosts'])})" for k in nodes if k is not None)
+    more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+    raise CheckpointError(f"{folder!r} is node {manifest.get('node')}'s folder of a checkpoint saved with "
+                          f"storage='node-local': {', '.join(missing[:4])}{more} are in the folders of {held}, "
+                          f"and {what} needs every piece. Load it with storage='node-local' (each rank from its "
+                          f"own node's folder, in the layout that saved it), or copy those files from the other "
+                          f"nodes' folder of this step into this one")
 
 
 # -------------------------------------------------------------------------------------------- geometry

@@ -35,6 +35,7 @@ from pyparallel.checkpoint.format import (
     _cut,
     _sha256,
     read_manifest,
+    require_all_files,
 )
 from pyparallel.checkpoint.protocol import (
     _load_model,
@@ -66,21 +67,42 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def save(root: str, model, optimizer=None, *, step: int, extra: dict | None = None, mesh=None) -> str:
+STORAGES = ("shared", "node-local")
+
+
+def _check_storage(storage: str) -> None:
+    if storage not in STORAGES:
+        raise ValueError(f"checkpoint storage must be one of {', '.join(map(repr, STORAGES))}, got {storage!r}")
+
+
+def save(root: str, model, optimizer=None, *, step: int, extra: dict | None = None, mesh=None,
+         storage: str = "shared") -> str:
     """Write a checkpoint of ``model`` (and ``optimizer``) for ``step`` under ``root``; every rank calls it.
 
-    Returns the checkpoint folder. ``extra`` (JSON-serialisable) comes back from :func:`load`.
+    Returns the checkpoint folder (this rank's node's, with ``storage="node-local"``). ``extra``
+    (JSON-serialisable) comes back from :func:`load`.
 
-    Three phases, each ending in a small exchange that doubles as the barrier: rank 0 prepares the
-    folder, every rank writes its pieces, rank 0 commits. An error in any phase on any rank is raised on
-    every rank (the failing rank's own exception there, a CheckpointError naming it elsewhere), so no rank
-    is left waiting for a peer that gave up."""
+    ``storage="shared"`` (the default): ``root`` is one folder every node sees. Three phases, each ending in
+    a small exchange that doubles as the barrier: rank 0 prepares the folder, every rank writes its pieces,
+    rank 0 commits. An error in any phase on any rank is raised on every rank (the failing rank's own
+    exception there, a CheckpointError naming it elsewhere), so no rank is left waiting for a peer that
+    gave up. A folder that is not the same on every node is refused.
+
+    ``storage="node-local"``: ``root`` is a folder on each node's own disk; each node keeps what its ranks
+    need to resume in the same layout, and every node's leader commits a manifest of its own
+    (:mod:`pyparallel.checkpoint.nodelocal`). Load it with ``load(..., storage="node-local")``."""
+    _check_storage(storage)
     rank, world = _rank_world()
     mesh = mesh if mesh is not None else getattr(model, "mesh", None)
     group = mesh.world_group if mesh is not None else None
     if group is None and world > 1:
         raise ValueError(f"checkpoint.save on {world} processes needs the mesh (mesh=...), so that every "
                          f"rank's pieces reach the manifest")
+    if storage == "node-local":
+        from pyparallel.checkpoint import nodelocal
+
+        return nodelocal.save(root, model, optimizer, step=step, extra=extra, mesh=mesh, group=group, rank=rank,
+                              world=world)
     what = f"checkpoint.save of step {step} into {root!r}"
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
     started = time.time()
@@ -166,8 +188,9 @@ def _write_pieces(model, optimizer, tmp: str, rank: int) -> tuple[list, dict]:
     return records, files
 
 
-def _commit(root: str, tmp: str, name: str, step: int, manifest: dict, started: float) -> None:
-    """Rank 0: manifest (fsynced), rename into place, switch ``latest``, then drop what it replaced."""
+def _commit(root: str, tmp: str, name: str, step: int, manifest: dict, started: float, cleanup: bool = True) -> None:
+    """Rank 0: manifest (fsynced), rename into place, switch ``latest``, then drop what it replaced (unless
+    ``cleanup`` is False: a node-local save drops it once every node has committed)."""
     _before_commit()
     mpath = os.path.join(tmp, "manifest.json")
     with open(mpath, "w") as f:
@@ -181,7 +204,8 @@ def _commit(root: str, tmp: str, name: str, step: int, manifest: dict, started: 
     _kill_point("renamed")
     _write_latest(root, name)
     _kill_point("latest")
-    _remove_replaced(root, name, step, started)
+    if cleanup:
+        _remove_replaced(root, name, step, started)
 
 
 def _remove_replaced(root: str, name: str, step: int, started: float) -> None:
@@ -347,11 +371,23 @@ class _Reader:
 
 
 @torch.no_grad()
-def load(root: str, model, optimizer=None, *, mesh=None, verify: bool = True) -> dict:
+def load(root: str, model, optimizer=None, *, mesh=None, verify: bool = True, storage: str = "shared") -> dict:
     """Load the checkpoint at ``root`` (a step folder, or a root with ``latest``) into ``model`` and
-    ``optimizer`` in their *current* layout. Returns ``{"step", "extra", "layout"}``."""
+    ``optimizer`` in their *current* layout. Returns ``{"step", "extra", "layout"}``.
+
+    ``storage="node-local"``: ``root`` is each node's own folder of a checkpoint saved with that storage; a
+    collective over the mesh's world group (``mesh=``, else ``model.mesh``) that first checks, on every
+    rank together, that every node's folder holds the same save and every piece its ranks need, and
+    otherwise raises the same CheckpointError on every rank (:mod:`pyparallel.checkpoint.nodelocal`)."""
+    _check_storage(storage)
+    if storage == "node-local":
+        from pyparallel.checkpoint import nodelocal
+
+        mesh = mesh if mesh is not None else getattr(model, "mesh", None)
+        return nodelocal.load(root, model, optimizer, mesh=mesh, verify=verify)
     folder = resolve(root)
     manifest = read_manifest(folder, verify=verify)
+    require_all_files(folder, manifest, "checkpoint.load (shared storage)")
     reader = _Reader(folder, manifest)
     _load_model(model, reader)
     if optimizer is not None:
@@ -363,5 +399,7 @@ def read_tensors(root: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every global tensor of checkpoint ``root`` whose name starts with ``prefix`` (model weights under
     ``model/``, optimizer state under ``optim/``), assembled from the pieces of whatever layout saved it."""
     folder = resolve(root)
-    reader = _Reader(folder, read_manifest(folder))
+    manifest = read_manifest(folder)
+    require_all_files(folder, manifest, "read_tensors")
+    reader = _Reader(folder, manifest)
     return {n: reader.full(n).clone() for n in sorted(reader.names()) if n.startswith(prefix)}
