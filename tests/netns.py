@@ -63,12 +63,17 @@ class TwoHosts:
         """The environment a cluster user sets on node ``node``: gloo on the cluster interface."""
         return {**base, "GLOO_SOCKET_IFNAME": self.ifname[node]}
 
-    def command(self, node: int, argv: list[str], local: tuple[str, ...] = ()) -> list[str]:
+    def command(self, node: int, argv: list[str], local: tuple[str, ...] = (),
+                disks: dict[str, str] | None = None) -> list[str]:
         """``argv`` run on node ``node``: inside its namespace, under its own hostname. Each folder in
         ``local`` becomes node-local there (an empty tmpfs mounted over it in a private mount namespace):
-        the node sees its own disk at that path, as nodes without a shared filesystem do."""
+        the node sees its own disk at that path, as nodes without a shared filesystem do. ``disks`` maps a
+        folder to the node's own "disk" (another folder, bind-mounted over it in the private namespace):
+        node-local too, but it outlives the command, so a later command on the node sees what it wrote."""
         mounts = "".join(f"mount -t tmpfs pp-local '{path}' && " for path in local)
-        return ["ip", "netns", "exec", self.ns[node], "unshare", "--uts", *(["--mount"] if local else []),
+        mounts += "".join(f"mount --bind '{disk}' '{path}' && " for path, disk in (disks or {}).items())
+        private = ["--mount"] if local or disks else []
+        return ["ip", "netns", "exec", self.ns[node], "unshare", "--uts", *private,
                 "sh", "-c", f'{mounts}hostname {self.hostname[node]} && exec "$@"', "sh", *argv]
 
     def pids(self, node: int) -> list[int]:

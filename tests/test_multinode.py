@@ -37,9 +37,9 @@ def hosts():
         h.close()
 
 
-def _torchrun(hosts, node, port, argv, nnodes="2", extra=(), local=()):
+def _torchrun(hosts, node, port, argv, nnodes="2", extra=(), local=(), disks=None):
     """torchrun on ``node``: 2 local ranks, c10d rendezvous hosted by node 0 at its own address."""
-    return hosts.command(node, local=local, argv=[
+    return hosts.command(node, local=local, disks=disks, argv=[
         sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addr[0]}:{port}", "--rdzv-id", f"pp-{port}",
         # The endpoint is an address, not the node's hostname: tell torchrun which node serves it, and
@@ -224,3 +224,72 @@ def test_node_local_checkpoint_folders_are_refused_not_half_saved_or_half_resume
     for err in errs:
         assert "--resume: the ranks do not see the same checkpoint" in err, err[-3000:]
         assert "rank 2 on node1: nothing" in err and "rank 0 on node0: step-00000002" in err
+
+
+def _on_own_disks(hosts, argv, folder: Path, disks: list[Path], timeout=120):
+    """Both nodes, each seeing ``disks[node]`` at ``folder``; (return codes, stdouts, stderrs, seconds)."""
+    port = free_port()
+    procs = [subprocess.Popen(_torchrun(hosts, node, port, argv, disks={str(folder): str(disks[node])}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=hosts.env(node, ENV), cwd=ROOT) for node in (0, 1)]
+    began = time.monotonic()
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], [o for o, _ in outs], [e for _, e in outs], time.monotonic() - began
+
+
+def _node_local_run(hosts, tmp_path, steps, *extra):
+    """dp 2 x tp 2 with ZeRO-1 (TP inside a node, the optimizer state sharded across the nodes), saving
+    every 2 steps into node-local folders: the same path, each node's own disk under it."""
+    folder = tmp_path / "ckpt"
+    disks = [tmp_path / "disk0", tmp_path / "disk1"]
+    for d in (folder, *disks):
+        d.mkdir(exist_ok=True)
+    argv = _train("--tp", "2", "--zero", "1", "--steps", str(steps), "--save-every", "2", "--checkpoint-dir",
+                  str(folder), "--checkpoint-storage", "node-local", *extra)
+    return folder, disks, argv
+
+
+def test_node_local_checkpoints_resume_exactly_across_two_hosts(hosts, tmp_path):
+    folder, disks, argv = _node_local_run(hosts, tmp_path, 4)
+    codes, outs, errs, _ = _on_own_disks(hosts, argv, folder, disks)
+    assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    first = _result(next(o for o in outs if "RESULT " in o))
+    # Each node's disk holds its own ranks' files and a manifest of its own; the shared path holds nothing.
+    assert not list(folder.iterdir())
+    for node, disk in enumerate(disks):
+        assert (disk / "latest").read_text().strip() == "step-00000004"
+        files = sorted(p.name for p in (disk / "step-00000004").iterdir())
+        assert files == ["manifest.json", *(f"rank-{r:05d}.safetensors" for r in (2 * node, 2 * node + 1))]
+        manifest = json.loads((disk / "step-00000004" / "manifest.json").read_text())
+        assert manifest["node"] == node and [n["hosts"] for n in manifest["nodes"]] == [["node0"], ["node1"]]
+    _, _, more = _node_local_run(hosts, tmp_path, 6, "--resume")
+    codes, outs, errs, _ = _on_own_disks(hosts, more, folder, disks)
+    assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    resumed = _result(next(o for o in outs if "RESULT " in o))
+    whole = _result(_one_host(_train("--tp", "2", "--zero", "1", "--steps", "6")))
+    assert first["losses"] == whole["losses"][:4]
+    assert resumed["start"] == 4 and resumed["losses"] == whole["losses"][4:]  # bit for bit
+
+
+def test_a_node_local_load_that_needs_the_other_nodes_pieces_fails_on_every_rank(hosts, tmp_path):
+    folder, disks, argv = _node_local_run(hosts, tmp_path, 2)
+    codes, _, errs, _ = _on_own_disks(hosts, argv, folder, disks)
+    assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    # The job comes back with the nodes' disks swapped (the ranks landed on the other node): both nodes
+    # hold a complete copy of step 2, but each rank's optimizer shard is on the other disk.
+    _, _, more = _node_local_run(hosts, tmp_path, 4, "--resume")
+    codes, _, errs, took = _on_own_disks(hosts, more, folder, disks[::-1])
+    assert codes[0] != 0 and codes[1] != 0
+    assert took < 60, took  # an error at load, not a collective timeout
+    for node, err in enumerate(errs):
+        lines = [ln for ln in err.splitlines() if "pieces that ranks need are not in their own node's folder" in ln]
+        assert len(lines) == 2, err[-3000:]  # both ranks of the node, the same message
+        line = lines[0]
+        for r in (2 * node, 2 * node + 1):
+            assert f"pyparallel train: rank {r}: checkpoint.load (node-local) of step 2" in "\n".join(lines)
+        assert "rank 0 (node0, whose folder holds node 1's pieces) needs" in line
+        assert "on node 0 (node0; ranks 0, 1)" in line and "on node 1 (node1; ranks 2, 3)" in line
