@@ -71,6 +71,49 @@ def test_bubble_schedules_and_uneven_interleaving():
     assert bubble_fraction(35, 70, "interleaved", 3, layers_per_stage=3) == pytest.approx(34 / 104 / 3)
 
 
+def _layout(**kw):
+    base = dict(dp=8, tp=1, pp=1, zero=0, offload=False, micro_batch=1, num_microbatches=1, recompute="full",
+                sequence_parallel=False, schedule="1f1b", virtual_stages=1)
+    return steptime.Layout(**{**base, **kw})
+
+
+def test_dp_reduction_hides_in_backward_only_where_the_engine_reduces_there():
+    # pyparallel's engines: DataParallel / zero.setup reduce bucket by bucket in the last micro-batch's
+    # backward (no_sync before it), ZeRO-2 in every one; parallelize reduces after the last micro-batch
+    # under a pipeline, or with TP and several micro-batches (ShardEngine.finish_reductions).
+    bw = steptime.Bandwidths(dp=20.0, tp=200.0, pp=20.0, intra=200.0)
+    psi, bucket, long_backward = 1e9, 25 * 2**20, 100.0
+    full = traffic.ring_factor("all_reduce", 8) * psi * 2 / 20e9
+    last = traffic.ring_factor("all_reduce", 8) * bucket / 20e9
+    hidden = steptime.overlapped(long_backward, full - last) + last
+    for lay, exposed in ((_layout(num_microbatches=4), hidden), (_layout(tp=2), hidden),
+                         (_layout(pp=2, num_microbatches=4), full), (_layout(tp=2, num_microbatches=4), full),
+                         (_layout(pp=2, num_microbatches=4, zero=1), full * 0.5)):
+        got = steptime.dp_seconds(lay, psi, bw, "bf16", bucket, long_backward)["grad"]
+        assert got == pytest.approx(exposed), lay
+    zero2 = _layout(pp=2, num_microbatches=4, zero=2)
+    assert steptime.reduces_in_backward(zero2)
+    rs = traffic.ring_factor("reduce_scatter", 8) * psi * 2 / 20e9
+    rs_last = traffic.ring_factor("reduce_scatter", 8) * bucket / 20e9
+    assert steptime.dp_seconds(zero2, psi, bw, "bf16", bucket, long_backward)["grad"] == pytest.approx(
+        4 * (steptime.overlapped(long_backward, rs - rs_last) + rs_last))
+
+
+def test_bubble_is_the_fill_and_drain_through_the_other_stages():
+    # A pipeline of p stages taking t_j per micro-batch: m·max t_j + the sum of the others (1F1B); the
+    # output layer's extra time on the last stage is in m·t_last, not in the other stages' fill and drain.
+    def st(t):
+        return steptime.StageTimes(f=t / 3, b=t / 3, w=t / 3, compute=t)
+
+    lay = _layout(pp=4, num_microbatches=8, dp=1)
+    busy, bubble = steptime.pipeline_seconds(lay, [(st(1.0), 3, 3), (st(1.3), 3, 1)])
+    assert busy == pytest.approx(8 * 1.3) and bubble == pytest.approx(3 * 1.0)
+    busy, bubble = steptime.pipeline_seconds(lay, [(st(1.0), 3, 4)])  # equal stages: (p − 1)·t
+    assert busy == pytest.approx(8.0) and bubble == pytest.approx(3.0)
+    inter = _layout(pp=4, num_microbatches=8, dp=1, schedule="interleaved", virtual_stages=3)
+    assert steptime.pipeline_seconds(inter, [(st(1.0), 3, 3), (st(1.3), 3, 1)])[1] == pytest.approx(1.0)
+
+
 def test_zero3_gathers_again_under_full_recompute():
     psi, n = 1e9, 8
     plain = comm_bytes_per_step(psi, "zero3", dp=n)["dp"]

@@ -7,6 +7,7 @@ cannot drift from the ranking; only the symbolic text is assembled here.
 from __future__ import annotations
 
 from pyparallel.planner import memory as mem
+from pyparallel.planner import steptime
 from pyparallel.planner.search import Candidate, Problem
 from pyparallel.planner.specs import GB
 
@@ -86,6 +87,11 @@ def _comm(pb: Problem, c: Candidate) -> list[str]:
     return out
 
 
+def _layout_of(c: Candidate) -> steptime.Layout:
+    return steptime.Layout(c.dp, c.tp, c.pp, c.zero_stage, c.offload, c.micro_batch, c.num_microbatches,
+                           c.recompute, c.sequence_parallel, c.schedule, c.virtual_stages)
+
+
 def _time(pb: Problem, c: Candidate) -> list[str]:
     d, m, tr = c.detail, pb.model, pb.train
     p, mb_n = c.pp, c.num_microbatches
@@ -98,16 +104,20 @@ def _time(pb: Problem, c: Candidate) -> list[str]:
     curve = (f"GEMMs at {cm.eff:g} × k/(k + {cm.half:g}) of peak (k: reduction dimension), roofline with "
              f"{cm.hbm / 1e9:g} GB/s HBM, elementwise 5 passes over the stored activations"
              if cm.half > 0 or cm.hbm > 0 else f"flat {cm.eff:g} of peak")
-    bubble_f = {"interleaved": f"(p−1)·T·⌈n/v⌉/n, v = {c.virtual_stages}", "zb-h1": "(p−1)(T_F + T_B − T_W)",
-                "zbv": "(p−1)(T_F + T_B − 2T_W)/2"}.get(c.schedule, "(p−1)·T, (p−1)/(m+p−1) of the pipeline time")
+    bubble_f = {"interleaved": f"Σ T·⌈n/v⌉/n over the other p−1 stages, v = {c.virtual_stages}",
+                "zb-h1": "Σ (T_F + T_B − T_W) over the other p−1 stages",
+                "zbv": "Σ (T_F + T_B − 2T_W)/2 over the other p−1 stages"}.get(
+        c.schedule, "Σ T over the other p−1 stages (fill and drain)")
+    dp_how = "hidden in the last backward but the last bucket" if steptime.reduces_in_backward(
+        _layout_of(c)) else "after the last micro-batch, exposed"
     return [
         f"FLOPs (Narayanan et al. 2021): {flops} = {d['model_flops']:.4g}{rec} → {d['hw_flops']:.4g} executed",
         f"Compute (compute.py): {curve}; on the slowest stage {c.compute_s:.4g} s per step",
         f"Pipeline: m = {mb_n} micro-batches on the slowest stage {d['busy_s']:.4g} s (compute + exposed TP, "
         f"p2p, ZeRO-3) + bubble {bubble_f} = {d['bubble_s']:.4g} s"
         + (f" ({p} stages, {c.bubble_fraction:.1%} of the pipeline time)" if p > 1 else ""),
-        f"Step time: {d['busy_s']:.4g} + {d['bubble_s']:.4g} + dp {c.exposed_s['dp'] * 1e3:.1f} ms (ZeRO-3's "
-        f"included above) + optimizer {c.exposed_s['optimizer'] * 1e3:.1f} ms + offload "
+        f"Step time: {d['busy_s']:.4g} + {d['bubble_s']:.4g} + dp {c.exposed_s['dp'] * 1e3:.1f} ms ({dp_how}; "
+        f"ZeRO-3's per unit included above) + optimizer {c.exposed_s['optimizer'] * 1e3:.1f} ms + offload "
         f"{c.exposed_s['offload']:.3g} s = {c.step_time_s:.4g} s",
         f"MFU: model FLOPs / (step × GPUs × peak) = {d['model_flops']:.4g} / ({c.step_time_s:.4g} × "
         f"{d['world']} × {d['peak']:.4g}) = {c.mfu:.1%}",

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pyparallel.planner import memory as mem
 from pyparallel.planner.errors import PlanError
 from pyparallel.planner.search import Candidate, Problem, SearchOptions, enumerate_candidates, rank_key
-from pyparallel.planner.specs import GB, ClusterSpec, ModelSpec, TrainSpec
+from pyparallel.planner.specs import CLUSTER_PRESETS, GB, ClusterSpec, ModelSpec, TrainSpec
 
 _SHARDS = {1: "the optimizer state", 2: "the optimizer state and gradients",
            3: "the parameters, gradients and optimizer state"}
@@ -94,15 +94,19 @@ def no_fit_message(pb: Problem, cands: list[Candidate]) -> str:
     m = small.memory_bytes
     states = m["params"] + m["grads"] + m["optimizer"]
     hints = ["add GPUs (--gpus)"]
-    if pb.options.offload == "off":
-        hints.append("enable offload (--offload auto)")
+    if pb.options.offload == "off" and any(z >= 1 for z in pb.options.zero_stages):
+        hints.append("enable offload (--offload auto)")  # offload needs a ZeRO stage
     if pb.train.recompute not in ("full", "auto") and pb.model.has_shape:
         hints.append("recompute activations (--recompute auto, selective or full)")
     if pb.train.sequence_parallel is False and pb.model.has_shape and small.tp > 1:
         hints.append("split activations with --sequence-parallel")
     if m["activations"] > states:
-        hints.append("shorten --seq-len or --micro-batch")
-    hints.append("or pick GPUs with more memory (--cluster h200)")
+        hints.append("shorten --seq-len" + (" or --micro-batch" if small.micro_batch > 1 else ""))
+    bigger = max(CLUSTER_PRESETS.values(), key=lambda c: c.memory_gb)
+    if pb.cluster.memory_gb < bigger.memory_gb:
+        hints.append(f"pick GPUs with more memory (--cluster {bigger.name})")
+    if len(hints) > 1:
+        hints[-1] = "or " + hints[-1]
     return (f"does not fit: smallest per-GPU need is {m['total'] / GB:.0f} GB with {_zero_name(small)} on "
             f"{pb.options.gpus} GPUs (DP {small.dp} × TP {small.tp} × PP {small.pp}, micro-batch "
             f"{small.micro_batch}: model states {states / GB:.1f} GB, activations "

@@ -204,7 +204,7 @@ def evaluate(pb: Problem, dp: int, tp: int, pp: int, zero: int, offload: bool, m
         times = [steptime.stage_times(cm, lay, model, tr.seq_len, tr.dtype, bw, d["layers"], d["stage"] == 0,
                                       d["stage"] == pp - 1, d["layer_rank"], embed) for d in per_stage]
         slowest = max(times, key=lambda t: t.per_microbatch)
-        busy, bubble_s = steptime.pipeline_seconds(lay, slowest, max_layers)
+        busy, bubble_s = steptime.pipeline_seconds(lay, _stage_classes(model, pp, per_stage, times))
         compute_s = m * slowest.compute
         exposed_tp, exposed_pp, exposed_z3 = m * slowest.tp, m * slowest.pp, m * slowest.zero3
         backward_s = slowest.b + slowest.w
@@ -257,6 +257,20 @@ def evaluate(pb: Problem, dp: int, tp: int, pp: int, zero: int, offload: bool, m
                 "busy_s": busy, "offload": off, "world": world, "compute_model": cm,
                 "attention": "fused" if model.fused_attention else "unfused"},
     )
+
+
+def _stage_classes(model: ModelSpec, pp: int, per_stage: list[dict], times: list) -> list[tuple]:
+    """(times, layers, count) for the p stages from the evaluated ones: stage 0 stands for the stages of
+    L // p layers, stage p − (L mod p) for those with one more (the last excepted), the last for itself."""
+    by_stage = {d["stage"]: (t, d["layers"]) for d, t in zip(per_stage, times)}
+    if pp == 1:
+        return [(*by_stage[0], 1)]
+    extra = model.layers % pp
+    out = [(*by_stage[0], pp - extra - (1 if extra == 0 else 0))]
+    if extra >= 2:
+        out.append((*by_stage[pp - extra], extra - 1))
+    out.append((*by_stage[pp - 1], 1))
+    return [c for c in out if c[2] > 0]
 
 
 def compute_optimizer_seconds(cm, shard: float, dtype: str) -> float:

@@ -10,9 +10,10 @@ bubble, plus what the data-parallel axis and the optimizer add once per step:
   (Megatron-LM's asynchronous all-reduce), so only the excess is exposed.
 - **Pipeline** (Narayanan et al. 2021): each micro-batch sends one activation forward and one gradient
   back per chunk boundary, on the critical path; with tp > 1 the scatter/gather optimization sends 1/t of
-  it across nodes per rank and all-gathers it over NVLink. Bubble: (p−1) times the slowest stage's time
-  per micro-batch for GPipe and 1F1B; interleaved with v chunks, times ⌈n/v⌉/n for n layers per stage
-  (uneven chunks pay for the largest one); ZB-H1 (p−1)(T_F + T_B − T_W) and ZB-V (p−1)(T_F + T_B −
+  it across nodes per rank and all-gathers it over NVLink. Bubble: the fill and drain through the p−1
+  stages other than the slowest, each at its own time per micro-batch, for GPipe and 1F1B; interleaved
+  with v chunks, each stage's share times ⌈n/v⌉/n for its n layers (uneven chunks pay for the largest
+  one); ZB-H1 (p−1)(T_F + T_B − T_W) and ZB-V (p−1)(T_F + T_B −
   2T_W)/2 from the split backward (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", and 2024).
 - **ZeRO-3** (Rajbhandari et al. 2020): per unit (one layer) and micro-batch an all-gather before its
   forward, one before its backward (two under full recompute: the recomputed forward gathers again, as a
@@ -20,10 +21,14 @@ bubble, plus what the data-parallel axis and the optimizer add once per step:
   unit's gathers run under the previous unit's compute: the longer of the two paces the unit. The first
   unit's gather waits. Under a pipeline pyparallel gathers a stage once per step instead, which costs
   what ZeRO-1 costs (see ``dp_seconds``).
-- **DDP / ZeRO-1 / ZeRO-2** (Li et al. 2020, "PyTorch Distributed"): the gradient reduction runs in
-  buckets under the backward of the last micro-batch (ZeRO-2: of every micro-batch); only the last
-  bucket and what outlasts the backward are exposed. ZeRO-1/2 all-gather the updated weights after the
-  step (exposed).
+- **DDP / ZeRO-1 / ZeRO-2** (Li et al. 2020, "PyTorch Distributed"): where the engine reduces bucket by
+  bucket during backward, the reduction runs under the backward of the last micro-batch (ZeRO-2: of every
+  micro-batch); only the last bucket and what outlasts the backward are exposed. Under a pipeline, and
+  under ``parallelize`` with tensor parallelism and several micro-batches, the gradients are reduced once
+  the step's micro-batches are done (``ShardEngine.finish_reductions``; ``engine.sync`` is set only for
+  one stage and one micro-batch), so the whole reduction is on the critical path -- as in the runs of
+  Narayanan et al. 2021, whose data-parallel all-reduce followed the pipeline flush. ZeRO-1/2 all-gather
+  the updated weights after the step (exposed).
 - **Overlap is not free**: a collective running beside compute takes SMs and memory bandwidth from it.
   Overlapped, compute of c seconds beside a collective of x seconds takes max(c + κ·x, x), with one
   global κ (``OVERLAP_CONTENTION``) fitted to Narayanan et al.'s ZeRO-3 rows (table 2).
@@ -168,23 +173,46 @@ def stage_times(cm, lay: Layout, model, seq_len: int, dtype: str, bw: Bandwidths
     return st
 
 
-def pipeline_seconds(lay: Layout, slowest: StageTimes, layers: int) -> tuple[float, float]:
-    """(m micro-batches on the slowest stage, the bubble) in seconds."""
+def pipeline_seconds(lay: Layout, stages: list[tuple[StageTimes, int, int]]) -> tuple[float, float]:
+    """(m micro-batches on the slowest stage, the bubble) in seconds; ``stages``: (times, layers, how many
+    stages are like it), the counts summing to p.
+
+    A flushed pipeline whose stages take t_j per micro-batch runs m·max t_j on its slowest stage, plus the
+    fill and drain through every other stage: the first micro-batch's forward reaches the slowest stage,
+    and the last one's backward leaves it, through the others, each at its own speed. With equal stages
+    that is Narayanan et al.'s (p − 1)(t_f + t_b); the output layer on the last stage (or an extra layer
+    where p does not divide L) makes that stage the slowest without lengthening the others' share of
+    the fill and drain. Each stage's share is scaled by the schedule (``_bubble_units``)."""
+    slowest = max((st for st, _, _ in stages), key=lambda t: t.per_microbatch)
     busy = lay.num_microbatches * slowest.per_microbatch
     if lay.pp <= 1:
         return busy, 0.0
-    unit = _bubble_units(lay.schedule, layers, lay.virtual_stages, slowest.f, slowest.b, slowest.w)
-    return busy, (lay.pp - 1) * unit
+    units = [(_bubble_units(lay.schedule, n, lay.virtual_stages, st.f, st.b, st.w), count, st is slowest)
+             for st, n, count in stages]
+    bubble = sum(unit * (count - 1 if is_slowest else count) for unit, count, is_slowest in units)
+    return busy, bubble
+
+
+def reduces_in_backward(lay: Layout) -> bool:
+    """Whether the gradient reduction runs bucket by bucket inside backward, as pyparallel's engines do
+    it: ZeRO-2 in every micro-batch; DDP, ZeRO-1 and ZeRO-3 (gathered per step) only without a pipeline,
+    and, with tensor parallelism (``parallelize``), only for a single micro-batch. Without TP and PP
+    (``DataParallel`` / ``zero.setup``), ``no_sync`` defers the earlier micro-batches and the last one's
+    backward carries the reduction. Otherwise ``parallelize`` reduces after the last micro-batch."""
+    if lay.zero == 2:
+        return True
+    return lay.pp == 1 and (lay.tp == 1 or lay.num_microbatches == 1)
 
 
 def dp_seconds(lay: Layout, params_rank: float, bw: Bandwidths, dtype: str, bucket_bytes: float,
                backward_s: float) -> dict[str, float]:
     """Exposed data-parallel seconds once per step for DDP, ZeRO-1 and ZeRO-2 (ZeRO-3's are per unit), and
     ZeRO-3 under a pipeline, which moves what ZeRO-1 does: its gather of the stage's weights before the
-    first micro-batch waits as ZeRO-1's after the step does, its one reduce-scatter hides in the last
-    micro-batch's backward.
+    first micro-batch waits as ZeRO-1's after the step does, and its one reduce-scatter, after the last
+    micro-batch, as ZeRO-1's does.
 
-    ``backward_s``: one micro-batch's backward on the stage, the window the gradient buckets hide in."""
+    ``backward_s``: one micro-batch's backward on the stage, the window the gradient buckets hide in
+    where the engine reduces during backward (``reduces_in_backward``); otherwise all of it is exposed."""
     out = {"grad": 0.0, "gather": 0.0}
     stage = 1 if gathers_per_step(lay.zero, lay.dp, lay.pp) else lay.zero
     if lay.dp <= 1 or stage == 3:
@@ -193,7 +221,7 @@ def dp_seconds(lay: Layout, params_rank: float, bw: Bandwidths, dtype: str, buck
     op = "all_reduce" if stage == 0 else "reduce_scatter"
     total = ring_factor(op, lay.dp) * params_rank * w / (bw.dp * 1e9)
     last = ring_factor(op, lay.dp) * min(bucket_bytes, params_rank * w) / (bw.dp * 1e9)
-    hidden = overlapped(backward_s, total - last) + last
+    hidden = overlapped(backward_s, total - last) + last if reduces_in_backward(lay) else total
     repeats = lay.num_microbatches if stage == 2 else 1
     out["grad"] = repeats * hidden
     if stage in (1, 2):
