@@ -107,7 +107,8 @@ def _time(pb: Problem, c: Candidate) -> list[str]:
     bubble_f = {"interleaved": f"Σ T·⌈n/v⌉/n over the other p−1 stages, v = {c.virtual_stages}",
                 "zb-h1": "Σ (T_F + T_B − T_W) over the other p−1 stages",
                 "zbv": "Σ (T_F + T_B − 2T_W)/2 over the other p−1 stages"}.get(
-        c.schedule, "Σ T over the other p−1 stages (fill and drain)")
+        c.schedule, "Σ T over the other p−1 stages (fill and drain; equal stages: (p−1)/(m+p−1) of the "
+                    "pipeline time)")
     dp_how = "hidden in the last backward but the last bucket" if steptime.reduces_in_backward(
         _layout_of(c)) else "after the last micro-batch, exposed"
     return [
