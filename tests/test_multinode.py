@@ -1,7 +1,9 @@
 """Two hosts for real: each torchrun "node" in its own network namespace with its own address, hostname and
 interface (tests/netns.py), rendezvous over c10d on node 0's address, gloo on the veth link. Parity with
 the same four ranks on one host (DDP, ZeRO-3, dp x tp; ``pyparallel train`` with a shared checkpoint
-folder), a node lost mid-run (its link cut, its processes killed: the survivors end by themselves with a
+folder), node-local checkpoint folders (refused by the default storage; with ``--checkpoint-storage
+node-local`` each node's own disk resumes exactly, and a load needing the other node's pieces fails on every
+rank), a node lost mid-run (its link cut, its processes killed: the survivors end by themselves with a
 named error within the collective timeout), and an elastic restart that resumes exactly. Skipped, with the
 reason, only where namespaces cannot be created (no root, no iproute2)."""
 
