@@ -456,7 +456,9 @@ def measure_rows(a, tmp: str) -> tuple[list[dict], dict]:
             print("\n".join(run["stderr"]), file=sys.stderr)
             continue
         peak = max(r["peak_bytes"] for r in run["ranks"])
+        ranks = sorted(run["ranks"], key=lambda r: r["rank"])
         table_rows.append({"row": name, "world": row.world, "peak_MiB": peak / MiB,
+                           "rank_peaks_MiB": [round(r["peak_bytes"] / MiB, 1) for r in ranks],
                            "load_peak_MiB": max(r["load_peak_bytes"] for r in run["ranks"]) / MiB,
                            "states_MiB": max(r["states"] for r in run["ranks"]) / MiB,
                            "predicted_MiB": predicted_peak(row, cfg, a.batch, a.seq) / MiB,

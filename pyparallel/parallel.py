@@ -42,8 +42,9 @@ from pyparallel.combined.layout import describe, tp_owners
 from pyparallel.combined.pipe import StagePipeline
 from pyparallel.data_parallel.ddp import check_same_signature
 from pyparallel.mesh import ParallelMesh
+from pyparallel.pipeline_parallel.schedules import SPLIT_BACKWARD
+from pyparallel.zero import accumulate, pieces
 from pyparallel.zero import groups as groups_mod
-from pyparallel.zero import pieces
 from pyparallel.zero.engine import NONFINITE, EngineConfig, ShardEngine
 from pyparallel.zero.flat_param import FlatLayout
 from pyparallel.zero.optimizer import ShardOptimizer
@@ -117,13 +118,15 @@ def _check_pipeline(model, mesh, schedule: str, m: int, v: int) -> None:
 
 
 def _local_params(pipe, infos, ties, mesh):
-    """[(ParamInfo, parameter)] of this stage; a weight tied across stages counts on its first stage."""
+    """[(ParamInfo, parameter)] of this stage. A weight tied across stages: a frozen one counts on its first
+    stage; a trainable one counts on each stage for the part of it that stage updates (ShardEngine)."""
     named = []
     for p in pipe.parameters():
         info = infos[id(p)]
         if id(p) in ties:
             info.tie_stages = ties[id(p)][1]
-            info.counted = info.counted and mesh.pp_rank == info.tie_stages[0]
+            if not p.requires_grad:  # a trainable one is shared out between its stages (ShardEngine)
+                info.counted = info.counted and mesh.pp_rank == info.tie_stages[0]
         named.append((info, p))
     return named
 
@@ -136,7 +139,8 @@ def _layouts(named, tie_groups, world: int, cap_bytes: int, elem: int, group_of:
         raise ValueError("this pipeline stage has no trainable parameters: nothing to optimize")
     tied = [(n, p) for n, p in trainable if id(p) in tie_groups]
     rest = [(n, p) for n, p in trainable if id(p) not in tie_groups]
-    layouts = [FlatLayout([n], [p], world) for n, p in tied]
+    # split: the stages holding a tied weight each update a part of every slice (ShardEngine)
+    layouts = [FlatLayout([n], [p], world, split=tie_groups[id(p)].size) for n, p in tied]
     ties = [(g, tie_groups[id(p)]) for g, (_, p) in enumerate(tied)]
     if rest:
         layouts += groups_mod.grouped_buckets(rest, cap_bytes, world, elem, group_of, n_groups)
@@ -228,6 +232,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
                          tie_groups=tie_groups, dp_owner=mesh.dp_rank == 0, scaler=scaler)
     if compute != module_dtype:
         pipe.retype(compute)
+    if schedule not in SPLIT_BACKWARD:  # weight gradients added straight into the engine's buffers
+        accumulate.install(pipe.chunks.values(), engine.accumulating_params())
     parallel = ParallelModel(model, mesh, pipe, engine, policy, buffer_names)
     if reader is not None:  # each rank's masters (and frozen parameters) piece by piece, then its weights
         parallel.load_checkpoint_pieces(reader, {})

@@ -149,6 +149,35 @@ def test_clipping_over_all_three_axes():
     run(tp_pp_clip_body, 4)
 
 
+def tied_split_body():
+    """DP2 x PP2, every ZeRO stage, 1F1B, clipped: the tied wte / lm_head is shared out between its two
+    stages -- each keeps AdamW state for half of its slice -- and training equals one process."""
+    ref = reference(gpt, 0.05)
+    held = []
+    for zero in (0, 1, 2, 3):
+        mesh = pyparallel.init(dp=2, pp=2)
+        pm = pyparallel.parallelize(gpt(), mesh, zero_stage=zero, num_microbatches=2, clip_grad_norm=0.05, lr=LR,
+                                    weight_decay=WD, loss_fn=ce)
+        losses, norms = train(pm)
+        compare(pm, ref, losses, norms)
+        eng = pm.engine
+        (g, tie), = eng.tie_groups
+        lay = eng.layouts[g]
+        assert tie.size == 2 and lay.split == 2
+        state = [prm for run, prm in zip(eng.runs, eng.updater.params) if run.g == g]
+        exp_avg = sum(eng.optimizer.state[prm]["exp_avg"].numel() for prm in state)
+        held.append((exp_avg, lay.shard_numel // 2, lay.numel, lay.padded))
+    return held
+
+
+def test_tied_weight_is_shared_out_between_its_stages():
+    for held in run(tied_split_body, 4):
+        for zero, (exp_avg, half_slice, numel, padded) in enumerate(held):
+            assert exp_avg == half_slice  # half of this rank's slice: 1/2 (stage 0) or 1/4 (ZeRO) of the matrix
+            holders = 2 if zero == 0 else 4  # the ranks holding distinct parts (stage 0: DP replicas repeat)
+            assert exp_avg * holders == padded and numel <= padded < numel + holders
+
+
 def fp32_body():
     """fp32 end to end where no summation order changes: DP2 ZeRO-1 x PP2 and stage 0."""
     ref = reference(lambda: gpt(torch.float32))

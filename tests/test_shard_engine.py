@@ -77,12 +77,14 @@ def compare(pm, ref, losses):
 
 def _expected_states(eng, stage: int, elem: int) -> int:
     """The per-rank model states of one stage/TP shard in the model's own dtype (no separate master): the
-    fp32/fp64 analogue of the ZeRO paper's figure 1 (weights + gradients + Adam's two moments)."""
+    fp32/fp64 analogue of the ZeRO paper's figure 1 (weights + gradients + Adam's two moments). Adam's
+    moments cover the elements this rank updates (its runs): its slice, or for a weight tied across
+    pipeline stages its stage's part of the slice."""
     local, s = eng.space.padded_numel if stage else sum(lay.padded for lay in eng.layouts), eng.space.numel
+    owned = sum(r.hi - r.lo for r in eng.runs)
     frozen = sum(p.numel() * p.element_size() for _, p in eng.frozen)
-    per_stage = {0: 4 * elem * local, 1: 2 * elem * local + 2 * elem * s, 2: elem * local + 3 * elem * s,
-                 3: 4 * elem * s}
-    return per_stage[stage] + frozen + 4 * len(eng.runs)  # + one fp32 step count per optimizer tensor
+    per_stage = {0: 2 * elem * local, 1: 2 * elem * local, 2: elem * local + elem * s, 3: 2 * elem * s}
+    return per_stage[stage] + 2 * elem * owned + frozen + 4 * len(eng.runs)  # + one fp32 step count per tensor
 
 
 def layouts_body(kind, layouts):
@@ -126,7 +128,11 @@ def zero3_pp_traffic_body():
     assert stats["reduce_scatter@dp"]["payload_bytes"] == 4 * padded, stats
     assert stats["all_gather@dp"]["calls"] == len(pm.engine.layouts)
     rep = memory.model_state_bytes(pm)
-    assert rep["model_states"] == 16 * pm.engine.space.numel + 4 * len(pm.engine.runs)  # 16Ψ/N at rest, fp32
+    # 16Ψ/N at rest in fp32, but Adam's moments only over the elements this rank updates (the tied
+    # embedding's slice is split between the two stages that hold it).
+    owned = sum(r.hi - r.lo for r in pm.engine.runs)
+    assert owned < pm.engine.space.numel
+    assert rep["model_states"] == 8 * pm.engine.space.numel + 8 * owned + 4 * len(pm.engine.runs)
     return padded
 
 

@@ -12,11 +12,14 @@ divided by tp, as in the planner's search.
 
 On top of the planner's model states, activations and buffers, a rank built by ``pyparallel.parallelize``
 (TP, PP) holds one transient of the vocabulary matrix at its peak (:func:`vocab_transient_bytes`), measured
-on CPU (benchmarks/memory.py, 152.8M GPT) and not part of ``plan``'s search, whose results stay as published.
+on CPU (benchmarks/memory.py, 152.8M GPT), and a stage holding a weight tied across stages keeps the
+optimizer state of its half only (:func:`tied_state_saving_bytes`); neither is part of ``plan``'s search,
+whose results stay as published.
 """
 
 from __future__ import annotations
 
+from pyparallel.pipeline_parallel.schedules import SPLIT_BACKWARD
 from pyparallel.planner import ModelSpec, bubble_fraction, model_state_bytes, traffic
 from pyparallel.planner import memory as pmem
 from pyparallel.planner.search import Problem, SearchOptions, evaluate, stage_layers, stage_params
@@ -40,30 +43,48 @@ def model_spec(cfg) -> ModelSpec:
                      tied=cfg.tie_embeddings, bias=cfg.bias, default_seq_len=cfg.block_size)
 
 
+def _accumulates_in_place(spec, dtype: str) -> bool:
+    """Whether the rank's plain Linear / Embedding layers add their weight gradients straight into the
+    engine's buffer (``pyparallel.zero.accumulate``: no tensor-parallel layers, no split backward, and an
+    accumulation buffer of the weights' own dtype)."""
+    return spec.tp == 1 and spec.schedule not in SPLIT_BACKWARD and dtype == "fp32"
+
+
 def vocab_transient_bytes(spec, model: ModelSpec, seq: int, micro: int, stage: int, dtype: str = DTYPE) -> float:
     """What a ``pyparallel.parallelize`` rank holding the embedding or the LM head keeps for a moment beyond
     its states and saved activations, at the larger of two instants (never both at once):
 
     * backward: the vocabulary matrix's dense gradient, V·h/t elements, computed whole (the LM head's
       ``dY^T X``, the embedding's scatter of its rows) before autograd adds it into the engine's preallocated
-      flat gradient, which already counts in the states (a plain torch run lets the first gradient become
-      ``.grad`` instead);
+      flat gradient, which already counts in the states -- except where the layers add it into that buffer
+      themselves (``_accumulates_in_place``);
     * forward of the loss, on the last stage: the logits beside the ones the planner's output term counts --
       two more under TP (the vocabulary-parallel cross-entropy's shifted logits and their exponentials,
       s·b·V/t each), one without (``F.cross_entropy``'s log-softmax).
 
     Measured at 152.8M (batch 4 × 128, fp32): TP rank 1549 MiB = 1480 predicted without this + 98 (the two
-    loss copies); PP's last stage 1778 = 1608 + 147 + 23 (the head's gradient). 0 for the other rows
-    (ZeRO-3 without a pipeline counts its root unit's gradients in ``buffer_bytes`` already)."""
+    loss copies); before the in-place accumulation PP's last stage was 1778 = 1608 + 147 + 23 (the head's
+    gradient). 0 for the other rows (ZeRO-3 without a pipeline counts its root unit's gradients in
+    ``buffer_bytes`` already)."""
     if spec.is_peer or (spec.tp == 1 and spec.pp == 1) or (spec.zero == 3 and spec.dp > 1 and spec.pp == 1):
         return 0.0
     w = pmem.DTYPE_BYTES[dtype]
     tp, last = spec.tp, stage == spec.pp - 1
     if stage != 0 and not last:
         return 0.0
-    grad = model.vocab * model.hidden / tp * w
+    grad = 0.0 if _accumulates_in_place(spec, dtype) else model.vocab * model.hidden / tp * w
     loss = (2 if tp > 1 else 1) * seq * micro * model.vocab / tp * w if last else 0.0
     return max(grad, loss)
+
+
+def tied_state_saving_bytes(spec, model: ModelSpec, stage: int) -> float:
+    """AdamW state a stage does not keep for a weight tied across stages: the stages holding the tied
+    embedding / LM head (the first and the last) each keep the two fp32 moments of half of it
+    (``pyparallel.zero.engine``), on top of ZeRO's sharding over dp."""
+    if spec.is_peer or spec.pp == 1 or not model.tied or stage not in (0, spec.pp - 1):
+        return 0.0
+    moments = 8  # AdamW's exp_avg and exp_avg_sq, fp32, per element
+    return model.vocab * model.hidden / spec.tp * moments / 2 / (spec.dp if spec.zero >= 1 else 1)
 
 
 def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int, on_cpu: bool,
@@ -84,6 +105,8 @@ def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int,
     params_rank = stage_params(model, pp, stage) / tp
     states = model_state_bytes(params_rank, spec.planner_strategy, dp, dtype, OPTIMIZER, spec.offload)
     state_total = states["total"] + (states["cpu"] if on_cpu else 0)
+    if on_cpu or not spec.offload:
+        state_total -= tied_state_saving_bytes(spec, model, stage)
     act = pmem.stage_activation_bytes(model, seq, micro, tp, pp, stage, layers, m, spec.schedule, v,
                                       recompute=ATTENTION_AS, dtype=dtype)
     p2p = micro * seq * model.hidden * pmem.DTYPE_BYTES[dtype]

@@ -24,8 +24,13 @@ Stages (what a rank keeps between steps; the paper's P_os, P_os+g, P_os+g+p):
 
 Reduction policy: ``reduce_op="avg"`` (``zero.setup``: the user's loss is a per-rank mean, as in DDP) or
 ``"sum"`` (``parallelize``: the pipeline pre-scales each micro-batch's loss by its share of the global
-tokens). A weight tied across stages is then summed over the stages holding it, on its group's slice
-(Megatron-LM's embedding all-reduce, done on 1/N of the tensor).
+tokens). A weight tied across stages is then summed over the T stages holding it, on its group's slice
+(Megatron-LM's embedding all-reduce, done on 1/N of the tensor) -- as a reduce-scatter: each stage keeps
+the sum of one T-th of the slice (``FlatLayout.split``, ``owned_range``), holds master and optimizer state
+for that part only and updates it, and an all-gather among the stages completes the slice again. Megatron
+keeps the whole embedding's optimizer state on both its first and last stage; the traffic is the same (a
+reduce-scatter and an all-gather are one all-reduce), the tied matrix's optimizer state is 1/T of it, and
+the update is not computed T times. This holds for every stage, 0 included.
 
 The step's global checks are one all-reduce over ``check_group`` of (overflow flag, squared gradient norm
 per user group): every element counted exactly once (``ParamInfo.counted``: a tensor replicated over TP
@@ -101,6 +106,13 @@ class ShardEngine:
         self.rank = group.rank if self.stage >= 1 else 0
         self.space = ShardSpace(layouts, self.rank)
         self.tie_groups = list(tie_groups)  # [(flat group index, comm.Group of the stages holding it)]
+        # A tied group's slice is shared by its stages: this one updates part ``group.rank`` of it.
+        self.tie_parts = {g: tg.rank for g, tg in self.tie_groups}
+        for g, tg in self.tie_groups:
+            if layouts[g].split != tg.size:
+                raise ValueError(f"flat group {g} ({layouts[g].names[0]}) is tied across {tg.size} stages, so its "
+                                 f"layout must be split {tg.size} ways (FlatLayout(split=...)); it is split "
+                                 f"{layouts[g].split}")
         self.dp_owner = dp_owner or self.stage >= 1
         self.per_unit = per_unit  # stage 3 with a UnitGatherer binding the parameters
         self.sync = True
@@ -109,7 +121,7 @@ class ShardEngine:
         self.gatherer = None
         self._where = {id(p): (g, i) for g, lay in enumerate(layouts) for i, p in enumerate(lay.params)}
         self.n_groups = len(options)
-        self.runs = groups_mod.plan_runs(layouts, self.rank, group_of, self.n_groups)
+        self.runs = groups_mod.plan_runs(layouts, self.rank, group_of, self.n_groups, self.tie_parts)
         self._counted = self._counted_ranges()
         self.reducer = ShardReducer(group, max_inflight=2, op=cfg.reduce_op)
         self._build_weights()
@@ -231,13 +243,28 @@ class ShardEngine:
         self._round, self._next = False, 0
         self._pending_full = False  # stages 0/1/3-per-step: accumulated gradients not yet reduced
 
+    def accumulating_params(self) -> set[int]:
+        """ids of the parameters whose ``.grad`` is a view of a full-gradient buffer of their own dtype: a
+        layer may add its weight gradient straight into it (``zero.accumulate``)."""
+        if self.full_grad is None:
+            return set()
+        return {id(p) for lay, views in zip(self.layouts, self._grad_views)
+                for p, v in zip(lay.params, views) if v.dtype == p.dtype}
+
     def _attach_grads(self) -> None:
         for lay, views in zip(self.layouts, self._grad_views):
             for p, v in zip(lay.params, views):
                 p.grad = v if v.dtype == p.dtype else None  # autograd accumulates straight into the buffer
 
+    def owned_range(self, g: int) -> tuple[int, int]:
+        """The elements of flat group ``g`` (offsets in the full group) whose reduced gradient, master and
+        optimizer state this rank holds: its slice, or, for a weight tied across stages, its part of it."""
+        lay = self.layouts[g]
+        return lay.owned_range(self.rank, self.tie_parts[g]) if g in self.tie_parts else lay.shard_range(self.rank)
+
     def _counted_ranges(self) -> list[tuple[int, int, int]]:
-        """(user group, start, end) shard-space ranges whose squares enter the global gradient norm."""
+        """(user group, start, end) shard-space ranges whose squares enter the global gradient norm (the runs
+        cover only the owned part of a tied group's slice, so each tied element counts on one stage)."""
         out = []
         for run in self.runs:
             lay = self.layouts[run.g]
@@ -357,9 +384,13 @@ class ShardEngine:
                     self._launch(g)
         self.reducer.drain()
         self._pending_full = False
-        for g, group in self.tie_groups:
+        for g, group in self.tie_groups:  # each stage keeps the sum of its part of the slice
             target = self._full_views[g] if self.stage == 0 else self.space.slice(self.grad_shard, g)
-            comm.all_reduce(target, group, op="sum")
+            comm.reduce_scatter_in_place(target, group, op="sum")
+            a, b = self.owned_range(g)
+            base = self.layouts[g].shard_range(self.rank)[0]
+            target[:a - base].zero_()  # the other parts are undefined after the exchange: keep them zero
+            target[b - base:].zero_()
 
     def _grad_master(self) -> torch.Tensor:
         """This rank's reduced gradient, shard space, in the master dtype (itself when it already is)."""
@@ -445,6 +476,7 @@ class ShardEngine:
     def _publish(self, out: torch.Tensor | None) -> None:
         """Hand every rank the new weights: stages 1-2 all-gather each group's slice; stage 3 under a
         pipeline frees the gathered groups (the next step gathers the new shards); stage 0 wrote in place."""
+        self._gather_tied(out)
         if self.stage == 3:
             self._end_step_gather()
             return
@@ -458,6 +490,22 @@ class ShardEngine:
                 handles.append(comm.all_gather(flat, self.space.slice(out, g), self.group, async_op=True))
         for h in handles:
             h.wait()
+
+    def _gather_tied(self, out: torch.Tensor | None) -> None:
+        """Complete each tied group's slice of what the model computes with (or, in stage 3, of what the next
+        gather reads) from the parts its stages updated; the master's other parts are left stale and are
+        neither read nor saved (``pieces``)."""
+        for g, group in self.tie_groups:
+            if self.stage == 0:
+                target = self.flats[g]
+            elif self.stage == 3:
+                target = self.space.slice(self._at_rest if self._at_rest is not None else self.master, g)
+            elif out is None:
+                a, b = self.layouts[g].shard_range(self.rank)
+                target = self.flats[g][a:b]
+            else:
+                target = self.space.slice(out, g)
+            comm.all_gather_in_place(target, group)
 
     @torch.no_grad()
     def refresh_weights(self) -> None:

@@ -44,6 +44,7 @@ class FlatLayout:
     shapes: list[torch.Size] = field(default_factory=list)  # recorded: stage 3 empties the parameters
     numels: list[int] = field(default_factory=list)
     numel: int = 0
+    split: int = 1  # each rank's slice is cut again into this many owned parts (a tied weight's stages)
 
     def __post_init__(self):
         offset = 0
@@ -56,7 +57,7 @@ class FlatLayout:
 
     @property
     def padded(self) -> int:
-        return padded_size(self.numel, self.world)
+        return padded_size(self.numel, self.world * self.split)
 
     @property
     def shard_numel(self) -> int:
@@ -69,6 +70,14 @@ class FlatLayout:
     def shard_range(self, rank: int) -> tuple[int, int]:
         s = self.shard_numel
         return rank * s, (rank + 1) * s
+
+    def owned_range(self, rank: int, part: int) -> tuple[int, int]:
+        """Part ``part`` of rank ``rank``'s slice: the elements that rank's holder number ``part`` updates
+        when the slice is shared by ``split`` holders (a weight tied across pipeline stages, see
+        ``zero.engine``)."""
+        a, _ = self.shard_range(rank)
+        s = self.shard_numel // self.split
+        return a + part * s, a + (part + 1) * s
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views (original shapes) into a full flat buffer of this layout."""

@@ -95,27 +95,31 @@ def grouped_buckets(named: list[tuple[str, nn.Parameter]], cap_bytes: int, world
     return out
 
 
-def plan_runs(layouts, rank: int, group_of: dict[str, int], n_groups: int) -> list[Run]:
-    """This rank's runs, flat group by flat group (see the module docstring)."""
+def plan_runs(layouts, rank: int, group_of: dict[str, int], n_groups: int, parts: dict[int, int] | None = None
+              ) -> list[Run]:
+    """This rank's runs, flat group by flat group (see the module docstring). ``parts``: flat group ->
+    which part of the rank's slice it updates, for groups whose slice is shared (``FlatLayout.split``);
+    their runs cover that part only (offsets stay relative to the slice's start)."""
     runs: list[Run] = []
     for g, lay in enumerate(layouts):
-        a, b = lay.shard_range(rank)
+        base, _ = lay.shard_range(rank)
+        a, b = lay.owned_range(rank, parts[g]) if parts and g in parts else lay.shard_range(rank)
         mine: list[Run] = []
         for name, o, n in zip(lay.names, lay.offsets, lay.numels):
             lo, hi = max(a, o), min(b, o + n)
             if lo >= hi:
                 continue
             k = group_index(name, group_of, n_groups)
-            if mine and mine[-1].k == k and mine[-1].hi == lo - a:
-                mine[-1] = Run(g, k, mine[-1].lo, hi - a)
+            if mine and mine[-1].k == k and mine[-1].hi == lo - base:
+                mine[-1] = Run(g, k, mine[-1].lo, hi - base)
             else:
-                mine.append(Run(g, k, lo - a, hi - a))
-        covered = mine[-1].hi if mine else 0
-        if covered < b - a:  # padding after the last parameter: joins the run before it
+                mine.append(Run(g, k, lo - base, hi - base))
+        covered = mine[-1].hi if mine else a - base
+        if covered < b - base:  # padding after the last parameter: joins the run before it
             k = mine[-1].k if mine else group_index(lay.names[-1], group_of, n_groups)
             if mine:
-                mine[-1] = Run(g, k, mine[-1].lo, b - a)
+                mine[-1] = Run(g, k, mine[-1].lo, b - base)
             else:
-                mine.append(Run(g, k, 0, b - a))
+                mine.append(Run(g, k, a - base, b - base))
         runs += mine
     return runs

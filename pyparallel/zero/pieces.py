@@ -23,19 +23,24 @@ from pyparallel.combined.layout import ParamInfo, flat_pieces
 def _overlaps(eng, lo_hi=None):
     """(flat group g, ParamInfo, [lo, hi) in the local tensor's flat order, offset of lo in g's shard slice,
     whether this rank writes it) for every parameter part in this rank's slices (or in ``lo_hi`` =
-    (g, start, stop) of one slice)."""
+    (g, start, stop) of one slice). A weight tied across stages is written part by part, each part by the
+    stage that updates it (``ShardEngine.owned_range``): the other parts of its master are stale there."""
     groups = range(len(eng.layouts)) if lo_hi is None else [lo_hi[0]]
     for g in groups:
         lay = eng.layouts[g]
-        a, b = lay.shard_range(eng.rank)
+        base, b = lay.shard_range(eng.rank)
+        a = base
         if lo_hi is not None:
-            a, b = a + lo_hi[1], a + lo_hi[2]
-        base = lay.shard_range(eng.rank)[0]
+            a, b = base + lo_hi[1], base + lo_hi[2]
+        own_a, own_b = eng.owned_range(g)
+        cuts = sorted({a, b, *(c for c in (own_a, own_b) if a < c < b)})
         for p, o, n in zip(lay.params, lay.offsets, lay.numels):
-            lo, hi = max(a, o), min(b, o + n)
-            if lo < hi:
-                info = eng.infos[id(p)]
-                yield g, info, lo - o, hi - o, lo - base, eng.dp_owner and info.counted
+            info = eng.infos[id(p)]
+            for ca, cb in zip(cuts, cuts[1:]):
+                lo, hi = max(ca, o), min(cb, o + n)
+                if lo < hi:
+                    owns = own_a <= lo and hi <= own_b
+                    yield g, info, lo - o, hi - o, lo - base, eng.dp_owner and info.counted and owns
 
 
 def _shard_pieces(eng, prefix_of, source_of, lo_hi=None, shift: int = 0):
