@@ -252,8 +252,10 @@ def train_body(base, argv):
     return whole, first["losses"], again["start"], again["losses"]
 
 
-def test_train_resumes_from_node_local_folders(tmp_path):
-    whole, first, start, again = run(train_body, 2, str(tmp_path), ["--dp", "2", "--zero", "1"])[0]
+@pytest.mark.parametrize("layout", [["--dp", "2", "--zero", "1"], ["--dp", "2"], ["--pp", "2", "--micro-batches", "2"],
+                                    ["--tp", "2", "--zero", "2"]])
+def test_train_resumes_from_node_local_folders(tmp_path, layout):
+    whole, first, start, again = run(train_body, 2, str(tmp_path), layout)[0]
     assert start == 2 and first + again == whole
     for rank in (0, 1):
         steps = sorted(os.listdir(_own_root(str(tmp_path), rank)))

@@ -333,10 +333,11 @@ class NodeLocalReader:
     """The loaders' reader (``names``, ``has``, ``full``, ``piece``) over the files one folder holds.
 
     ``piece`` reads, in this order, the canonical piece of exactly that region, this node's copy of it, or
-    cuts it from the canonical pieces this folder holds (another layout). ``full`` of a tensor this folder
-    holds only part of returns a *meta* tensor (its shape and dtype, no values: the loaders ask for shapes;
-    any value read from it fails); the values a rank loads come through ``piece``, which :meth:`missing`
-    has checked beforehand."""
+    cuts it from the canonical pieces this folder holds (another layout); a piece the folder lacks is
+    recorded in :attr:`misses` and given as zeros, so that every rank runs its loaders (and their
+    collectives) to the end before all raise together. ``full`` of a tensor this folder holds only part of
+    returns a *meta* tensor (its shape and dtype, no values: the loaders ask for shapes; any value read
+    from it fails); the values a rank loads come through ``piece``."""
 
     def __init__(self, folder: str, manifest: dict):
         self.folder = folder
@@ -359,6 +360,7 @@ class NodeLocalReader:
                 self.copy_names.setdefault(rec["name"], rec)
         self._cache: tuple[str, torch.Tensor, torch.Tensor] | None = None
         self._mask: tuple[str, torch.Tensor] | None = None
+        self.misses: list[str] = []  # pieces asked for that this folder lacks (given as zeros)
 
     # --------------------------------------------------------------------- what the loaders call
     def names(self):
@@ -392,8 +394,11 @@ class NodeLocalReader:
             return self._get(rec)
         if self.local.get(piece.name) and bool(_cut(self._local_mask(piece.name), piece).all()):
             return _cut(self._assembled(piece.name)[0], piece)
-        raise CheckpointError(f"{piece.name} {_region(piece)} is not in {self.folder!r}: "
-                              f"{self.missing(piece) or 'no saved piece covers it'}")
+        if not self.has(piece.name):
+            raise CheckpointError(f"checkpoint has no tensor {piece.name!r}")
+        self.misses.append(self.missing(piece) or f"{piece.name} {_region(piece)}")
+        return torch.zeros(piece.flat_len, dtype=_dtype((self.by_name.get(piece.name) or
+                                                         [self.copy_names[piece.name]])[0]))
 
     # ------------------------------------------------------------------------------- the check
     def missing(self, piece: Piece) -> str | None:
@@ -462,24 +467,13 @@ def _dtype(rec: dict) -> torch.dtype:
     return getattr(torch, rec["dtype"].replace("torch.", ""))
 
 
-def needed(model, optimizer, reader: NodeLocalReader) -> list[Piece]:
-    """The pieces this rank's loaders will read: its model and optimizer pieces, and for every saved
-    optimizer state of its parameters the same regions (element-wise state) or the whole scalar."""
+def needed(model, optimizer) -> list[Piece]:
+    """The pieces this rank describes (its model's and, once it has state, its optimizer's): what the
+    loaders read back in the same layout. What they read beyond these (another layout, a fresh optimizer's
+    state) is checked as it is read (:attr:`NodeLocalReader.misses`)."""
     out = [p for p, _ in _module_pieces(model)]
     if optimizer is not None:
         out += [p for p, _ in _optimizer_pieces(model, optimizer)]
-        state_of: dict[str, list[str]] = {}
-        for name in reader.names():
-            if name.startswith("optim/"):
-                state_of.setdefault(name[len("optim/"):].rsplit("/", 1)[0], []).append(name)
-        for p in [p for p in out if p.name.startswith("model/")]:
-            for name in state_of.get(p.name[len("model/"):], []):
-                shape = reader.shape(name)
-                if shape == p.global_shape:
-                    out.append(Piece(name, p.global_shape, p.box_offsets, p.box_shape, p.flat_start, p.flat_len,
-                                     perm=p.perm))
-                elif _numel(shape) <= SMALL:
-                    out.append(Piece.whole(name, shape))
     unique = {}
     for p in out:
         unique.setdefault(_key(p), p)
@@ -506,7 +500,7 @@ def load(root: str, model, optimizer, *, mesh, verify: bool) -> dict:
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (rank {rank} on {host})") from None
         reader = NodeLocalReader(folder, manifest)
-        problems = [m for m in (reader.missing(p) for p in needed(model, optimizer, reader)) if m]
+        problems = [m for m in (reader.missing(p) for p in needed(model, optimizer)) if m]
         opened.update(folder=folder, manifest=manifest, reader=reader)
         return {"id": identity(folder, manifest), "folder": os.path.basename(folder), "step": manifest["step"],
                 "host": host, "problems": problems[:_LIST], "count": len(problems),
@@ -523,6 +517,22 @@ def load(root: str, model, optimizer, *, mesh, verify: bool) -> dict:
                               f"every node must load its copy of the same save "
                               f"(pyparallel.checkpoint.newest_common(root, mesh) finds the newest one every node "
                               f"holds)")
+    _raise_missing(everyone, mesh, "")
+    reader = opened["reader"]
+    _load_model(model, reader)
+    if optimizer is not None:
+        _load_optimizer(model, optimizer, reader, opened["manifest"])
+    # A piece the loaders asked for beyond those checked above was given as zeros and recorded: every rank
+    # has run the same loaders (and their collectives) to the end, and now all fail together.
+    late = store._exchange(group, what, "checking what it read",
+                           lambda: {**everyone[rank], "problems": reader.misses[:_LIST], "count": len(reader.misses)})
+    _raise_missing(late, mesh, " (the model and optimizer are left partly loaded)")
+    manifest = opened["manifest"]
+    return {"step": manifest["step"], "extra": manifest["extra"], "layout": manifest["layout"]}
+
+
+def _raise_missing(everyone: list[dict], mesh, note: str) -> None:
+    """The same CheckpointError on every rank when any rank lacks pieces (from the exchanged reports)."""
     head = f"checkpoint.load (node-local) of step {everyone[0]['step']}"
     bad = [(r, info) for r, info in enumerate(everyone) if info["count"]]
     if bad:
@@ -540,16 +550,11 @@ def load(root: str, model, optimizer, *, mesh, verify: bool) -> dict:
         mapping = "" if saved_by == now else (f"; the ranks were on hosts {_hosts_text(saved_by)} when saved "
                                               f"and are on {_hosts_text(now)} now")
         raise CheckpointError(
-            f"{head}: {total} pieces that ranks need are not in their own node's folder: {shown}. A node-local "
+            f"{head}: {total} pieces that ranks need are not in their own node's folder{note}: {shown}. A node-local "
             f"checkpoint loads only where each node's folder holds its ranks' pieces: the layout it was saved "
             f"with ({layout}, the same strategy and ZeRO stage) and every rank on the node that saved "
             f"it{mapping}. Copy the other nodes' files of this step into each node's "
             f"folder, or save to a shared folder (the default storage)")
-    _load_model(model, opened["reader"])
-    if optimizer is not None:
-        _load_optimizer(model, optimizer, opened["reader"], opened["manifest"])
-    manifest = opened["manifest"]
-    return {"step": manifest["step"], "extra": manifest["extra"], "layout": manifest["layout"]}
 
 
 def _reading(info: dict) -> str:
