@@ -146,9 +146,13 @@ def _init_from_env(backend: str, timeout: datetime.timedelta) -> None:
     Under torchrun, on a store prefixed by the restart attempt: the elastic agent keeps one store across
     ``--max-restarts`` attempts, so a restarted attempt's process groups could read the addresses that the
     previous attempt's dead workers published under the same keys and fail with "connectFullMesh ...
-    Connection refused". A per-attempt prefix gives every attempt fresh keys."""
+    Connection refused". A per-attempt prefix gives every attempt fresh keys. The agents' restart counts
+    agree only while the same agents run every attempt: a node that rejoins an elastic job is a new agent
+    whose count starts at 0. Such jobs run without the shared store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+    docs/multinode.md): each rendezvous round then starts its own store for the workers, whose keys are
+    fresh, and no prefix is needed."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend=backend, timeout=timeout)
         return
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
