@@ -33,6 +33,11 @@ TORCH_LIBRARY(pyparallel, m) {
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] lowp_out, int step, float lr, float beta1, float beta2, "
       "float eps, float weight_decay, bool adamw, bool maximize, bool amsgrad) -> ()");
   // --- end optimizers ---
+  // --- same-host collectives (pyparallel/shm.py): round counters in shared memory, csrc/cpu/shm_flags.cpp ---
+  // flags is int64 [ranks, slots] (one cache line per rank); post stores value at flags[index, 0] after a
+  // full fence; wait returns -1 once every flags[i, 0] >= value, or the first i still behind at the timeout.
+  m.def("shm_post(Tensor(a!) flags, int index, int value) -> ()");
+  m.def("shm_wait(Tensor flags, int value, float timeout_s) -> int");
 }
 
 #ifndef PYPARALLEL_NO_PYTHON

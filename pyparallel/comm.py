@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pyparallel import accounting, device
+from pyparallel import accounting, device, shm
 from pyparallel.accounting import comm_stats, reset_comm_stats  # noqa: F401  (re-exported)
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -78,6 +78,9 @@ class Group:
     backend: str
     seq: int = field(default=0)
     label: str | None = None  # how errors describe the group when its rank order means something
+    # The same-host shared-memory transport (pyparallel/shm.py): None until first needed, False where the
+    # group cannot use one (another host, another backend, no space, PYPARALLEL_SHM=0).
+    arena: object = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -308,6 +311,8 @@ def _run(op: str, group: Group, payload_bytes: int, issue, async_op: bool, fp_te
     if group.size > 1:
         try:
             work, finish = issue()
+        except CollectiveError:
+            raise
         except Exception as exc:
             raise _translate(exc, op, group, seq) from exc
     handle = Handle(work, op, group, seq, finish)
@@ -365,6 +370,10 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bo
     red = _op(op)
 
     def issue():
+        arena = _arena_for(group, tensor, op)
+        if arena is not None:
+            arena.all_reduce(tensor.view(-1), _shm_combine(op), op == "avg", _on_stall("all_reduce", group))
+            return None, None
         if op == "avg":
             work = _try_native("avg", group, lambda: dist.all_reduce(tensor, red, group=group.pg, async_op=True))
             if work is not None:
@@ -450,6 +459,82 @@ def _reduce_scatter_by_exchange(out: torch.Tensor, flat: torch.Tensor, group: Gr
     return _Works(works), finish
 
 
+# ------------------------------------------------------------------- same-host shared-memory transport
+# A gloo group whose ranks all run on this machine moves its collectives through shared memory instead of
+# loopback TCP (pyparallel/shm.py says why and how). Which collectives go that way depends only on what every
+# rank of the group sees alike (the group, the tensor's size and dtype), so the ranks always agree. Set
+# PYPARALLEL_SHM=0 to keep everything on the backend (to compare, or where /dev/shm is too small).
+
+
+def _shm_wanted(group: Group) -> bool:
+    if group.backend != "gloo" or group.size < 2 or os.environ.get("PYPARALLEL_SHM", "1").lower() in (
+            "0", "false", "no", "off"):
+        return False
+    machine = _machine()
+    if not all(r in _processes and _processes[r][1] == machine for r in group.ranks):
+        return False  # a peer on another host (or ranks not registered yet: register_processes)
+    from pyparallel import _ops
+
+    return _ops.has_kernel("shm_wait", torch.device("cpu"))
+
+
+def _open_arena(group: Group):
+    """Create the group's mapping (group rank 0), map it everywhere, agree that every rank did, unlink it.
+    Two small collectives over the group, on every rank at the same point of the program."""
+    n = group.size
+    capacity = shm.region_bytes(n)
+    name = [shm.create(n, capacity) if group.rank == 0 else None]
+    dist.broadcast_object_list(name, src=group.ranks[0], group=group.pg)
+    arena = None
+    if name[0] is not None:
+        try:
+            arena = shm.Arena(name[0], n, group.rank, capacity)
+        except (OSError, ValueError):
+            arena = None
+    ok = torch.tensor([1 if arena is not None else 0], dtype=torch.int32)
+    dist.all_reduce(ok, dist.ReduceOp.MIN, group=group.pg)
+    if group.rank == 0 and name[0] is not None:
+        os.unlink(name[0])  # every rank has it mapped (or has given up): nothing is left behind on a crash
+    return arena if int(ok) == 1 else False
+
+
+def _arena_for(group: Group, tensor: torch.Tensor, op: str | None = None):
+    """The group's shared-memory arena if this collective takes that path, else None."""
+    if (group.arena is False or tensor.device.type != "cpu" or not tensor.is_contiguous()
+            or tensor.dtype == torch.bool or (op is not None and op not in _COMBINE)):
+        return None
+    if group.arena is None:
+        if not _shm_wanted(group):
+            group.arena = False
+            return None
+        group.arena = _open_arena(group)
+    return group.arena or None
+
+
+def _on_stall(op: str, group: Group):
+    """What a shared-memory wait does every half second while a peer is behind: name a peer that died,
+    or, past the group's timeout, the one that never arrived."""
+    seq = group.seq
+
+    def stalled(late: int, waited_s: float) -> None:
+        where = _describe(op, group, seq)
+        if _gone(group):
+            raise CollectiveError(f"pyparallel: {where} failed: lost a peer: {_blame_peers(group)}")
+        if waited_s >= group.timeout_s:
+            raise CollectiveTimeoutError(
+                f"pyparallel: {where} did not complete within {group.timeout_s:g} s: a peer rank never joined "
+                f"(global rank {group.ranks[late]} is behind; same-host shared-memory transport). Check that every "
+                f"rank of the group calls the same collectives in the same order (set PYPARALLEL_DEBUG=1 to "
+                f"compare them)."
+            )
+
+    return stalled
+
+
+def _shm_combine(op: str):
+    return None if op in ("sum", "avg") else _COMBINE[op]
+
+
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Group, async_op: bool = False):
     """Gather equal-sized ``tensor`` from every rank into ``output`` (size N x tensor, rank order)."""
     if output.numel() != tensor.numel() * group.size:
@@ -460,6 +545,10 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Group, async_o
     _same_dtype("all_gather", group, output, tensor)
 
     def issue():
+        arena = _arena_for(group, output) if tensor.is_contiguous() else None
+        if arena is not None:
+            arena.all_gather(output, tensor, _on_stall("all_gather", group))
+            return None, None
         if _gloo_direct(group, output, _GLOO_GATHER_BYTES):
             return _gather_by_broadcasts(output, tensor, group), None
         work = _try_native(
@@ -488,7 +577,8 @@ def all_gather_in_place(tensor: torch.Tensor, group: Group, async_op: bool = Fal
                          f"into {n} equal slices")
     flat = tensor.view(-1)
     mine = flat.view(n, -1)[group.rank]
-    aliased_ok = group.backend == "nccl" or _gloo_direct(group, flat, _GLOO_GATHER_BYTES) or n == 1
+    aliased_ok = (group.backend == "nccl" or n == 1 or _gloo_direct(group, flat, _GLOO_GATHER_BYTES)
+                  or (group.pg is not None and _arena_for(group, flat) is not None))
     return all_gather(flat, mine if aliased_ok else mine.clone(), group, async_op=async_op)
 
 
@@ -503,6 +593,11 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Group, op:
     red = _op(op)
 
     def issue():
+        arena = _arena_for(group, tensor, op) if output.is_contiguous() else None
+        if arena is not None:
+            arena.reduce_scatter(output, tensor.view(-1), _shm_combine(op), op == "avg",
+                                 _on_stall("reduce_scatter", group))
+            return None, None
         if _gloo_direct(group, tensor, _GLOO_EXCHANGE_BYTES):
             return _reduce_scatter_by_exchange(output, tensor.reshape(-1), group, op)
 
@@ -548,6 +643,10 @@ def reduce_scatter_in_place(tensor: torch.Tensor, group: Group, op: str = "sum",
     mine = flat.view(n, -1)[group.rank]
 
     def issue():
+        arena = _arena_for(group, flat, op)
+        if arena is not None:
+            arena.reduce_scatter(mine, flat, _shm_combine(op), op == "avg", _on_stall("reduce_scatter", group))
+            return None, None
         if _gloo_direct(group, tensor, _GLOO_EXCHANGE_BYTES):
             return _reduce_scatter_by_exchange(mine, flat, group, op)
         if group.backend == "gloo":
@@ -574,6 +673,10 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
         raise ValueError(f"broadcast on group '{group.name}': src {src} is not a rank of a group of {group.size}")
 
     def issue():
+        arena = _arena_for(group, tensor)
+        if arena is not None:
+            arena.broadcast(tensor.view(-1), src, _on_stall("broadcast", group))
+            return None, None
         return dist.broadcast(tensor, group.ranks[src], group=group.pg, async_op=True), None
 
     nbytes = tensor.numel() * tensor.element_size()

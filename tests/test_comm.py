@@ -1,12 +1,16 @@
 """Collective conformance: every comm.py op x dtype x reduce op x world size 1-4 x even/uneven/empty sizes
 against closed-form results, plus the byte accounting of each call."""
 
+import glob
+import os
+import time
+
 import pytest
 import torch
 from dist import run
 
 import pyparallel
-from pyparallel import comm
+from pyparallel import _ops, comm, shm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 SIZES = {"even": 12, "uneven": 13, "empty": 0}
@@ -83,12 +87,53 @@ def conformance_body():
     comm.barrier(g)
     objs = comm.all_gather_object({"rank": rank}, g)
     assert [o["rank"] for o in objs] == list(range(world))
-    return True
+    return bool(g.arena)
 
 
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_collectives_conformance(world):
-    assert run(conformance_body, world) == [True] * world
+def test_collectives_conformance(world, transport):
+    used_shm = world > 1 and transport == "shm"
+    # Same-host gloo groups move collectives through shared memory unless PYPARALLEL_SHM=0 (comm.py).
+    env = {"PYPARALLEL_SHM": "1" if transport == "shm" else "0"}
+    assert run(conformance_body, world, env=env) == [used_shm] * world
+
+
+def chunked_body():
+    """Tensors several times one rank's shared-memory region (pyparallel/shm.py), so every collective runs
+    in many rounds through both alternating sets of regions; float values, compared with the backend's."""
+    mesh = pyparallel.init()
+    g = mesh.world_group
+    world, rank = g.size, g.rank
+    big = 3 * shm.region_bytes(world) // 4 + 1001  # float32 elements: 3 regions' worth and an odd tail
+    gen = torch.Generator().manual_seed(rank)
+    mine = torch.randn(big, generator=gen)
+    every = [torch.randn(big, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    t = mine.clone()
+    comm.all_reduce(t, g)
+    expect = every[0].clone()
+    for x in every[1:]:
+        expect.add_(x)  # rank order, as the transport sums
+    torch.testing.assert_close(t, expect, rtol=0, atol=0)
+    rows = torch.stack([mine * (c + 1) for c in range(world)]).view(-1)
+    out = torch.empty(big)
+    comm.reduce_scatter(out, rows, g, op="avg")
+    expect = torch.stack([x * (rank + 1) for x in every]).sum(0) / world
+    torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
+    gathered = torch.empty(world * big)
+    comm.all_gather(gathered, mine, g)
+    torch.testing.assert_close(gathered, torch.cat(every), rtol=0, atol=0)
+    b = mine.clone()
+    comm.broadcast(b, world - 1, g)
+    torch.testing.assert_close(b, every[-1], rtol=0, atol=0)
+    if rank == 0:  # the mapping's file was unlinked once every rank had mapped it: a crash leaves nothing
+        assert not glob.glob(os.path.join(shm._DIR, f"pyparallel-{os.getpid()}-*"))
+    return bool(g.arena) and g.arena.rounds > 4 * 3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_collectives_in_rounds(world):
+    assert run(chunked_body, world, env={"PYPARALLEL_SHM": "1"}) == [True] * world
 
 
 def accounting_body():
@@ -131,3 +176,24 @@ def wrong_size_body():
 
 def test_bad_arguments_fail_before_communicating():
     assert run(wrong_size_body, 2) == [True, True]
+
+
+@pytest.mark.skipif(not _ops.has_kernel("shm_wait", torch.device("cpu")), reason="extension not built")
+def test_shared_memory_counters():
+    """csrc/cpu/shm_flags.cpp in one process: a wait returns -1 once every counter reached the value, else
+    the first rank behind when its timeout ends; bad flags tensors are refused."""
+    flags = torch.zeros(3, 8, dtype=torch.int64)
+    ops = torch.ops.pyparallel
+    for r in range(3):
+        ops.shm_post(flags, r, 5)
+    assert ops.shm_wait(flags, 5, 1.0) == -1 and ops.shm_wait(flags, 4, 0.0) == -1
+    ops.shm_post(flags, 2, 7)
+    ops.shm_post(flags, 0, 7)
+    start = time.monotonic()
+    assert ops.shm_wait(flags, 6, 0.05) == 1  # rank 1 still at 5
+    assert 0.04 < time.monotonic() - start < 5
+    assert flags[:, 0].tolist() == [7, 5, 7] and int(flags[:, 1:].abs().sum()) == 0
+    with pytest.raises(RuntimeError, match="int64"):
+        ops.shm_wait(torch.zeros(3, 8), 1, 0.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.shm_post(flags, 3, 1)

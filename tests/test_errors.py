@@ -50,8 +50,10 @@ SKIPPED = {
 }
 
 
-def timeout_body(timeout_s, op):
+def timeout_body(timeout_s, op, transport):
     mesh = pyparallel.init(timeout_s=timeout_s)
+    comm.all_reduce(torch.ones(1), mesh.world_group)
+    assert bool(mesh.world_group.arena) == (transport == "shm")
     if dist.get_rank() == 1:
         time.sleep(timeout_s + 4)  # skip the collective, but stay alive past the peer's timeout
         return None
@@ -61,11 +63,17 @@ def timeout_body(timeout_s, op):
     return str(info.value), time.monotonic() - start
 
 
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
 @pytest.mark.parametrize("op", list(SKIPPED))
-def test_skipped_collective_times_out_with_a_named_error(op):
-    msg, waited = run(timeout_body, 2, 3.0, op, fresh_after=True)[0]
+def test_skipped_collective_times_out_with_a_named_error(op, transport):
+    # "gloo": the backend's own timeout; "shm": the first collective opened the group's shared-memory
+    # transport (comm.py), whose waits enforce the same timeout themselves.
+    env = {"PYPARALLEL_SHM": "1" if transport == "shm" else "0"}
+    msg, waited = run(timeout_body, 2, 3.0, op, transport, env=env, fresh_after=True)[0]
     assert f"{op} on group 'world'" in msg and "global ranks [0, 1]" in msg and "rank 0" in msg
     assert "did not complete within 3 s" in msg
+    if transport == "shm":
+        assert "global rank 1 is behind" in msg
     assert waited < 30  # bounded by the group's timeout, not the 300 s default
 
 
