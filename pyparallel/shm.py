@@ -47,6 +47,13 @@ def region_bytes(n: int) -> int:
     return max(256 << 10, per // _ALIGN * _ALIGN)
 
 
+def touched_bytes(n: int, largest_message: float) -> int:
+    """What the transport adds to a rank's resident set (the pages it touches: every region of both sets,
+    as far as the largest message of the group fills them): the bench's memory prediction on CPUs."""
+    per = min(region_bytes(n), -(-int(largest_message) // _ALIGN) * _ALIGN)
+    return 2 * n * per
+
+
 def _layout(n: int, capacity: int) -> tuple[int, int]:
     flags = 2 * n * _LINE
     head = (flags + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -19,6 +19,7 @@ whose results stay as published.
 
 from __future__ import annotations
 
+from pyparallel import shm
 from pyparallel.pipeline_parallel.schedules import SPLIT_BACKWARD
 from pyparallel.planner import ModelSpec, bubble_fraction, model_state_bytes, traffic
 from pyparallel.planner import memory as pmem
@@ -94,7 +95,8 @@ def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int,
     ``model_state_bytes`` counts what lives in the memory the bench measures: on a CPU run that includes
     what ZeRO-Offload moves to host memory (the planner's ``cpu`` part), on a GPU run it does not.
     ``peak_bytes`` is model states + activations + communication buffers (the planner's per-GPU total)
-    + the vocabulary transient of a TP / PP rank (:func:`vocab_transient_bytes`).
+    + the vocabulary transient of a TP / PP rank (:func:`vocab_transient_bytes`); on a CPU run the buffers
+    include the pages of the dp and tp groups' shared-memory transport (:func:`pyparallel.shm.touched_bytes`).
     """
     model = model_spec(cfg)
     dp, tp, pp = spec.dp, spec.tp, spec.pp
@@ -118,6 +120,10 @@ def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int,
     phases += traffic.pp_phase(seq, micro, model.hidden, pp, m, tp, dtype=dtype, virtual_stages=v)
     comm = traffic.summarize(phases)
     transient = vocab_transient_bytes(spec, model, seq, micro, stage, dtype)
+    if on_cpu:  # gloo on one host: the dp and tp groups' shared-memory transport (pyparallel/shm.py)
+        grad_bytes = min(BUCKET_MB * 2**20, params_rank * 4)  # fp32 reductions: the largest dp message
+        buffers += (shm.touched_bytes(dp, grad_bytes) if dp > 1 else 0) + (
+            shm.touched_bytes(tp, p2p) if tp > 1 else 0)
     return {
         "model_state_bytes": int(state_total),
         "activation_bytes": int(act["total"]),
