@@ -99,10 +99,49 @@ def test_split_backward_equals_full_backward_bitwise(kind):
         gx, wpass = backward_input(split(xb), g, xb, list(split.parameters()))
         assert torch.equal(gx, xa.grad)
         assert all(q.grad is None for q in split.parameters()) if step == 0 else True  # B left W alone
+        groups, direct = wpass.num_groups, wpass.num_direct
         wpass.run()
         for (n, a), b in zip(full.named_parameters(), split.parameters()):
             assert torch.equal(a.grad, b.grad), n
     assert fires == {n: 3 for n, _ in split.named_parameters()}  # once per parameter per backward
+    # Every group of the GPT's blocks is one Linear or LayerNorm node: W skips the engine for all of them;
+    # the weight used twice (two intermediates) goes through the engine, the LayerNorm does not.
+    assert direct == (groups if kind == "gpt" else 1) and groups > 1
+
+
+def test_direct_weight_pass_keeps_grad_buffers_and_tensor_hooks():
+    """W's direct path (split.py, "Direct W") adds into an existing ``.grad`` in place — here views of one
+    flat buffer, as pyparallel's DP and ZeRO engines give — bit for bit as a full backward, and leaves a
+    parameter with a tensor hook to the engine, which runs the hook once per backward."""
+    def build():
+        torch.manual_seed(1)
+        return Chunk([nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 16, bias=False), nn.LayerNorm(16)], 1, 1)
+
+    full, split = build(), build()
+    flats = []
+    for chunk in (full, split):
+        params = list(chunk.parameters())
+        flat = torch.zeros(sum(q.numel() for q in params))
+        for q, view in zip(params, torch.split(flat, [q.numel() for q in params])):
+            q.grad = view.view_as(q)
+        flats.append(flat)
+        chunk.blocks[0].weight.register_hook(lambda g: g * 2)  # the engine must apply it
+    ptrs = [q.grad.data_ptr() for q in split.parameters()]
+    calls = []
+    split.blocks[0].weight.register_hook(lambda g: calls.append(1))
+    torch.manual_seed(0)
+    for _ in range(3):
+        x0, g = torch.randn(5, 7, 16), torch.randn(5, 7, 16)
+        xa = x0.clone().requires_grad_()
+        torch.autograd.backward(full(xa), g)
+        xb = x0.clone().requires_grad_()
+        gx, wpass = backward_input(split(xb), g, xb, list(split.parameters()))
+        assert (wpass.num_groups, wpass.num_direct) == (3, 3)  # the hooked Linear falls back at run time
+        wpass.run()
+        assert torch.equal(gx, xa.grad)
+        assert torch.equal(flats[0], flats[1])
+    assert [q.grad.data_ptr() for q in split.parameters()] == ptrs
+    assert len(calls) == 3
 
 
 # --------------------------------------------------------------------------------- parity (processes)

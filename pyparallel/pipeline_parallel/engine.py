@@ -23,8 +23,6 @@ with point-to-point traffic derived from it (``p2p.py``), and leaves gradients r
 from __future__ import annotations
 
 import time
-from collections import deque
-
 import torch
 import torch.nn as nn
 
@@ -335,19 +333,34 @@ class PipelineParallel:
         turn) are handed over locally. Under a zero-bubble schedule, a stage about to block on a message
         that has not arrived first runs deferred W's — the next ones of its list, in list order, whose B
         has run — so the weight gradients fill the wait; W sends nothing, so the message order (and hence
-        every receive) is unchanged, and gradients accumulate in the same order as the list's."""
+        every receive) is unchanged, and gradients accumulate in the same order as the list's.
+
+        Which W's may go early: the first pending W of a chunk whose B has run, unless a chunk it shares a
+        parameter with (ZBV's tied embedding and head, both on rank 0) has a W pending before it in the
+        list — so each parameter sums its micro-batches in list order. A W behind another chunk's W
+        that still waits for its B (the first chunk's, whose B is empty and comes when the gradient
+        arrives) is not held up by it."""
         last, me = self.num_chunks - 1, self.rank
         local: dict[tuple, torch.Tensor] = {}
-        w_queue = deque(a for a in actions if a.kind == "W")
+        pending = [a for a in actions if a.kind == "W"]  # list order
+        shares = self._shared_chunks()
         early: set = set()
         self._early_w = 0
 
+        def next_early():
+            blocked: set = set()  # chunks with an earlier pending W (and the chunks tied to them)
+            for a in pending:
+                if a.chunk not in blocked and compute.has_weight(a.chunk, a.mb):
+                    return a
+                blocked |= shares[a.chunk]
+            return None
+
         def receive(peer: int, key: tuple) -> torch.Tensor:
-            while w_queue and not links.ready(peer, key):
-                a = w_queue[0]
-                if not compute.has_weight(a.chunk, a.mb):
+            while pending and not links.ready(peer, key):
+                a = next_early()
+                if a is None:
                     break
-                w_queue.popleft()
+                pending.remove(a)
                 compute.weight(a.chunk, a.mb)
                 early.add(a)
                 self._early_w += 1
@@ -357,8 +370,7 @@ class PipelineParallel:
             c, i = a.chunk, a.mb
             if a.kind == "W":
                 if a not in early:
-                    assert w_queue[0] == a, (a, w_queue[0])
-                    w_queue.popleft()
+                    pending.remove(a)
                     compute.weight(c, i)
             elif a.kind == "F":
                 if c == 0:
@@ -392,6 +404,11 @@ class PipelineParallel:
                         links.send_grad(gx, self.stage_of(c - 1))
             links.progress()
         links.finish()
+
+    def _shared_chunks(self) -> dict[int, set[int]]:
+        """For each local chunk, itself and the local chunks holding one of its parameters."""
+        ids = {c: {id(q) for q in ch.parameters()} for c, ch in self.chunks.items()}
+        return {c: {d for d in ids if ids[c] & ids[d]} for c in ids}
 
     # --------------------------------------------------------------------------------- end of step
 

@@ -21,6 +21,17 @@ recorded:
   weight used twice in the chunk) clamps each intermediate to its captured gradient, so what flows into
   it from the group's other roots is not counted twice.
 
+**Direct W.** Each backward call costs the engine a walk over every node it can reach (most of the
+micro-batch's graph for the upper layers) plus Python's entry: ~0.1-0.3 ms per group, a third of W's time
+for a GPT chunk on a CPU core. The groups that are one node computing one layer's weight gradients — a
+Linear's ``AddmmBackward0`` / ``MmBackward0`` (through ``TBackward0``), a ``NativeLayerNormBackward0`` —
+skip the engine: W evaluates that node's own formula for its weight outputs from its saved tensors (the
+same ATen calls, in the same operand order, as autograd's generated code for those outputs) and hands each
+result to the parameter's ``AccumulateGrad`` node, which accumulates and fires post-accumulate hooks as in
+a backward. A parameter with a tensor hook (``register_hook``: the engine runs it) and every other node
+kind go through the engine. Hooks registered on the ``AccumulateGrad`` node itself (torch DDP's reducer) are
+not seen by the direct path; pyparallel's own engines use post-accumulate hooks.
+
 Because W accumulates through autograd's own ``AccumulateGrad`` nodes, ``.grad`` is written exactly as by
 a full backward (first gradient stolen, later ones added in place into an existing ``.grad``, such as a
 view of a flat DP buffer) and ``register_post_accumulate_grad_hook`` hooks fire once per parameter per
@@ -44,6 +55,68 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 class _Group:
     intermediates: list = field(default_factory=list)  # autograd Nodes
     params: list = field(default_factory=list)  # parameters (tensors)
+    direct: tuple | None = None  # (formula, AccumulateGrad nodes by output) when W may skip the engine
+
+
+def _leaf(fn, param_nodes: dict, transposes: int):
+    """The AccumulateGrad node ``fn`` is, or reaches through exactly ``transposes`` lone TBackward0 nodes."""
+    for _ in range(transposes):
+        if fn is None or fn.name() != "TBackward0" or len(fn.next_functions) != 1:
+            return None
+        fn = fn.next_functions[0][0]
+    return fn if fn in param_nodes else None
+
+
+def _mm_weight_grad(grad, mat1, sizes, strides):
+    """The gradient of ``mat2`` in ``mat1 @ mat2`` as autograd computes it (``mm_mat2_backward``): for a
+    column-major ``mat2`` (a Linear's ``weight.t()``) ``(grad^T mat1)^T``, else ``mat1^T grad``."""
+    if strides[0] == 1 and strides[1] == sizes[0]:
+        return grad.t().mm(mat1).t()
+    return mat1.t().mm(grad)
+
+
+def _addmm(node, grad, accs):
+    weight, bias = accs
+    out = []
+    if weight is not None:
+        dw = _mm_weight_grad(grad, node._saved_mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides)
+        out.append((weight, dw.t()))  # the TBackward0 between the node and the weight
+    if bias is not None:  # the engine sums a broadcast input's gradient to its shape (sum_to)
+        out.append((bias, grad.sum_to_size(bias.variable.shape)))
+    return out
+
+
+def _mm(node, grad, accs):
+    dw = _mm_weight_grad(grad, node._saved_self, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides)
+    return [(accs[0], dw.t())]
+
+
+def _layer_norm(node, grad, accs):
+    weight, bias = accs
+    _, dw, db = torch.ops.aten.native_layer_norm_backward(
+        grad, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
+        node._saved_weight, node._saved_bias, [False, weight is not None, bias is not None])
+    return [(a, g) for a, g in ((weight, dw), (bias, db)) if a is not None]
+
+
+def _direct_formula(node, params: list, param_nodes: dict):
+    """``(formula, accs)`` when ``node`` alone computes the gradients of exactly ``params`` by a formula
+    above (module doc, "Direct W"), else None. Checked once per B, on the recorded graph."""
+    name, nxt = node.name(), [fn for fn, _ in node.next_functions]
+    if name == "AddmmBackward0" and len(nxt) == 3 and node._saved_alpha == 1 and node._saved_beta == 1:
+        formula, accs = _addmm, (_leaf(nxt[2], param_nodes, 1), _leaf(nxt[0], param_nodes, 0))
+    elif name == "MmBackward0" and len(nxt) == 2:
+        formula, accs = _mm, (_leaf(nxt[1], param_nodes, 1),)
+    elif name == "NativeLayerNormBackward0" and len(nxt) == 3:
+        formula, accs = _layer_norm, (_leaf(nxt[1], param_nodes, 0), _leaf(nxt[2], param_nodes, 0))
+    else:
+        return None
+    found = [param_nodes[a] for a in accs if a is not None]
+    if len(found) != len(params) or any(all(q is not t for t in found) for q in params):
+        return None  # some parameter it reaches is not one of this node's weight inputs
+    if any(q.dtype.is_complex or q.layout != torch.strided for q in found):
+        return None
+    return formula, accs
 
 
 class WeightPass:
@@ -56,6 +129,11 @@ class WeightPass:
     def num_groups(self) -> int:
         return len(self._groups) if self._groups is not None else 1
 
+    @property
+    def num_direct(self) -> int:
+        """Groups whose W may skip the engine (module doc, "Direct W")."""
+        return sum(g.direct is not None for g in self._groups) if self._groups is not None else 0
+
     def run(self) -> None:
         if self._full is not None:  # B was empty: W is the whole backward
             y, grad = self._full
@@ -66,6 +144,8 @@ class WeightPass:
         groups, captured = self._groups, self._captured
         self._groups = self._captured = None
         for g in groups:
+            if g.direct is not None and _run_direct(g, captured):
+                continue
             edges, grads, hooks = [], [], []
             for node in g.intermediates:
                 saved = captured.get(node)
@@ -85,47 +165,62 @@ class WeightPass:
                     h.remove()
 
 
+def _run_direct(g: _Group, captured: dict) -> bool:
+    """W of a one-node group without the engine (module doc, "Direct W"); False leaves it to the engine
+    (a parameter has a tensor hook, or the gradient does not match the parameter as the engine would
+    cast it)."""
+    formula, accs = g.direct
+    if any(q._backward_hooks for q in g.params):
+        return False
+    node = g.intermediates[0]
+    saved = captured.get(node)
+    if saved is None or saved[0] is None:  # no gradient reached it in B
+        return True
+    grad = saved[0]
+    if any(grad.dtype != q.dtype or grad.device != q.device for q in g.params):
+        return False
+    with torch.no_grad():
+        for acc, dg in formula(node, grad, accs):
+            acc(dg)
+    return True
+
+
 def _node_of(t: torch.Tensor):
     return get_gradient_edge(t).node
 
 
-def _params_under(n, children: dict, param_nodes: dict, reach: dict) -> set:
-    """The parameter nodes reachable from ``n`` (memoised in ``reach``). A module-level function, not a
-    closure: a closure that calls itself is a reference cycle, and this one would hold every node of the
-    graph (``children``), and so every saved tensor of the micro-batch, until the garbage collector ran."""
-    if n in reach:
-        return reach[n]
-    out = {n} if n in param_nodes else set()
-    for k in children[n]:
-        out |= _params_under(k, children, param_nodes, reach)
-    reach[n] = out
-    return out
-
-
 def _analyse(root, x_node, param_nodes: dict) -> list[_Group]:
-    """Intermediates of the graph under ``root`` and the parameter groups they reach (module doc)."""
+    """Intermediates of the graph under ``root`` and the parameter groups they reach (module doc).
+
+    One iterative depth-first walk puts every node after its children (post-order); one pass over that
+    order then finds the nodes that reach the input, and the parameters under every node that does not.
+    Nothing here is a closure over the graph: a reference cycle through the nodes would hold the
+    micro-batch's saved tensors until the garbage collector ran."""
     children: dict = {}
-    order, stack = [], [root]
-    while stack:  # every node reachable from root, with its children
-        n = stack.pop()
+    post, stack = [], [(root, False)]
+    while stack:
+        n, done = stack.pop()
+        if done:
+            post.append(n)
+            continue
         if n in children:
             continue
         kids = [fn for fn, _ in n.next_functions if fn is not None]
         children[n] = kids
-        order.append(n)
-        stack.extend(kids)
-    # Nodes that reach the input: fixed point over a reverse topological pass (iterate until stable; the
-    # graph is a DAG, so a pass in reverse discovery order converges in few rounds).
-    to_x = {x_node} if x_node in children else set()
-    changed = True
-    while changed:
-        changed = False
-        for n in reversed(order):
-            if n not in to_x and any(k in to_x for k in children[n]):
-                to_x.add(n)
-                changed = True
-    # Parameters reachable from each node outside the input path (memoised DFS over the weight branches).
-    reach: dict = {}
+        stack.append((n, True))
+        stack.extend((k, False) for k in kids if k not in children)
+    to_x: set = set()  # nodes with a path to the input
+    reach: dict = {}  # node off that path -> the parameter nodes under it (its whole subgraph is off it)
+    for n in post:
+        kids = children[n]
+        if n is x_node or any(k in to_x for k in kids):
+            to_x.add(n)
+            continue
+        under = {n} if n in param_nodes else set()
+        for k in kids:
+            under |= reach[k]
+        reach[n] = under
+    order = post[::-1]  # parents first: groups in the order a backward meets them
     parent: dict = {}
 
     def find(a):
@@ -141,7 +236,7 @@ def _analyse(root, x_node, param_nodes: dict) -> list[_Group]:
         mine = set()
         for k in children[n]:
             if k not in to_x:
-                mine |= _params_under(k, children, param_nodes, reach)
+                mine |= reach[k]
         if mine:
             owners[n] = mine
             for q in mine:
@@ -153,18 +248,28 @@ def _analyse(root, x_node, param_nodes: dict) -> list[_Group]:
         for q in mine:
             if all(param_nodes[q] is not t for t in g.params):
                 g.params.append(param_nodes[q])
+    for g in groups.values():
+        if len(g.intermediates) == 1:
+            g.direct = _direct_formula(g.intermediates[0], g.params, param_nodes)
     return list(groups.values())
 
 
-def backward_input(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, params) -> tuple:
+def param_nodes_of(params) -> dict:
+    """``{AccumulateGrad node: parameter}`` for the parameters that require grad. Holding the nodes keeps
+    them the ones every later graph of these parameters uses (a leaf keeps its accumulator only weakly), so
+    a caller may compute this once for many micro-batches of the same parameters."""
+    return {_node_of(q): q for q in params if q.requires_grad}
+
+
+def backward_input(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, params,
+                   param_nodes: dict | None = None) -> tuple:
     """B of one (chunk, micro-batch): ``(dL/dx or None, WeightPass)``. ``y`` is the chunk's output (or
-    the scaled loss, with ``grad=None``), ``x`` its input leaf, ``params`` the chunk's parameters."""
+    the scaled loss, with ``grad=None``), ``x`` its input leaf, ``params`` the chunk's parameters
+    (``param_nodes``: their :func:`param_nodes_of`, when the caller keeps it)."""
     if not (x.requires_grad and y.requires_grad and y.grad_fn is not None):
         return None, WeightPass(None, None, full=(y, grad))
-    param_nodes = {}
-    for q in params:
-        if q.requires_grad:
-            param_nodes[_node_of(q)] = q
+    if param_nodes is None:
+        param_nodes = param_nodes_of(params)
     x_node = _node_of(x)
     groups = _analyse(y.grad_fn, x_node, param_nodes)
     captured: dict = {}

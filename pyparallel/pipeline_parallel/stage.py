@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from pyparallel.pipeline_parallel.split import backward_input
+from pyparallel.pipeline_parallel.split import backward_input, param_nodes_of
 from pyparallel.tensor_parallel import random as tp_random
 
 
@@ -145,6 +145,7 @@ class StageCompute:
         self.meter = meter
         self.split = split
         self._params = {c: [q for q in ch.parameters() if q.requires_grad] for c, ch in chunks.items()}
+        self._param_nodes: dict[int, dict] = {}  # per chunk, for the split (one step: the parameters stay)
         self.state: dict[tuple[int, int], tuple] = {}
         self.pending_w: dict[tuple[int, int], object] = {}
         self.busy_s = 0.0
@@ -153,7 +154,8 @@ class StageCompute:
         self.loss_sum = 0.0
         # B passes that were split (input gradient only), that ran the whole backward (checkpointed
         # chunk), and that had no input gradient to compute (the first chunk: all of it is W).
-        self.split_counts = {"split": 0, "full_checkpointed": 0, "no_input_grad": 0, "weight_groups": 0}
+        self.split_counts = {"split": 0, "full_checkpointed": 0, "no_input_grad": 0, "weight_groups": 0,
+                             "weight_groups_direct": 0}
 
     def forward(self, c: int, mb: int, x: torch.Tensor, target=None, scale: float = 1.0, mask=None):
         """Run chunk ``c`` on micro-batch ``mb``; return the output to send (None on the last chunk).
@@ -194,11 +196,14 @@ class StageCompute:
         x, y = self.state.pop((c, mb))
         start = time.perf_counter()
         if self.split and not self.chunks[c].activation_checkpointing:
-            gx, wpass = backward_input(y, grad, x, self._params[c])
+            if c not in self._param_nodes:
+                self._param_nodes[c] = param_nodes_of(self._params[c])
+            gx, wpass = backward_input(y, grad, x, self._params[c], self._param_nodes[c])
             self.pending_w[(c, mb)] = wpass
             kind = "split" if gx is not None else "no_input_grad"
             self.split_counts[kind] += 1
             self.split_counts["weight_groups"] += wpass.num_groups
+            self.split_counts["weight_groups_direct"] += wpass.num_direct
             self.busy_s += time.perf_counter() - start
             return gx if c != 0 and x.requires_grad else None
         if self.split:

@@ -8,8 +8,8 @@
   ran early, to fill a wait for a message.
 * **split**: per step, how this stage's backward passes were split — ``split`` (B computed the input
   gradient only), ``no_input_grad`` (the first chunk: B empty, all of it in W), ``full_checkpointed``
-  (activation checkpointing: the whole backward in B, W empty) — and how many W autograd calls
-  (``weight_groups``) that took.
+  (activation checkpointing: the whole backward in B, W empty) — and how many weight groups W ran
+  (``weight_groups``), of which ``weight_groups_direct`` skipped the autograd engine (``split.py``).
 * **bubble** = idle / (busy + idle), per stage; the pipeline's is the mean over stages. The theory it is
   compared with, ``(p - 1) / (v m + p - 1)``, assumes equal chunk times and free messages.
 
