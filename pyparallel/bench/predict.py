@@ -95,8 +95,9 @@ def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int,
     ``model_state_bytes`` counts what lives in the memory the bench measures: on a CPU run that includes
     what ZeRO-Offload moves to host memory (the planner's ``cpu`` part), on a GPU run it does not.
     ``peak_bytes`` is model states + activations + communication buffers (the planner's per-GPU total)
-    + the vocabulary transient of a TP / PP rank (:func:`vocab_transient_bytes`); on a CPU run the buffers
-    include the pages of the dp and tp groups' shared-memory transport (:func:`pyparallel.shm.touched_bytes`).
+    + the vocabulary transient of a TP / PP rank (:func:`vocab_transient_bytes`); on a CPU run our rows' buffers
+    include the pages of the dp and tp groups' shared-memory transport (:func:`pyparallel.shm.touched_bytes`;
+    the PyTorch and DeepSpeed peers do not use it).
     """
     model = model_spec(cfg)
     dp, tp, pp = spec.dp, spec.tp, spec.pp
@@ -120,7 +121,7 @@ def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int,
     phases += traffic.pp_phase(seq, micro, model.hidden, pp, m, tp, dtype=dtype, virtual_stages=v)
     comm = traffic.summarize(phases)
     transient = vocab_transient_bytes(spec, model, seq, micro, stage, dtype)
-    if on_cpu:  # gloo on one host: the dp and tp groups' shared-memory transport (pyparallel/shm.py)
+    if on_cpu and not spec.is_peer:  # gloo on one host: our dp and tp groups' shared-memory transport (shm.py)
         grad_bytes = min(BUCKET_MB * 2**20, params_rank * 4)  # fp32 reductions: the largest dp message
         buffers += (shm.touched_bytes(dp, grad_bytes) if dp > 1 else 0) + (
             shm.touched_bytes(tp, p2p) if tp > 1 else 0)

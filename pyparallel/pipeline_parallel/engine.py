@@ -23,6 +23,7 @@ with point-to-point traffic derived from it (``p2p.py``), and leaves gradients r
 from __future__ import annotations
 
 import time
+
 import torch
 import torch.nn as nn
 
