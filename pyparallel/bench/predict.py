@@ -122,8 +122,11 @@ def predict_rank(spec, cfg, batch: int, seq: int, microbatches: int, stage: int,
     comm = traffic.summarize(phases)
     transient = vocab_transient_bytes(spec, model, seq, micro, stage, dtype)
     if on_cpu and not spec.is_peer:  # gloo on one host: our dp and tp groups' shared-memory transport (shm.py)
-        grad_bytes = min(BUCKET_MB * 2**20, params_rank * 4)  # fp32 reductions: the largest dp message
-        buffers += (shm.touched_bytes(dp, grad_bytes) if dp > 1 else 0) + (
+        # The largest dp message, in fp32 (reductions): a gradient bucket, or under ZeRO-3 a unit (a block,
+        # or the root with the embedding and head), which is what it gathers and reduce-scatters at a time.
+        unit = max(model.layer_params() / tp, root) if spec.zero == 3 else BUCKET_MB * 2**20 / 4
+        largest = min(unit, params_rank) * 4
+        buffers += (shm.touched_bytes(dp, largest) if dp > 1 else 0) + (
             shm.touched_bytes(tp, p2p) if tp > 1 else 0)
     return {
         "model_state_bytes": int(state_total),
