@@ -79,7 +79,10 @@ def _addmm(node, grad, accs):
     weight, bias = accs
     out = []
     if weight is not None:
-        dw = _mm_weight_grad(grad, node._saved_mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides)
+        mat1 = node._saved_mat1
+        if mat1.layout != torch.strided:  # autograd has another formula for sparse operands
+            return None
+        dw = _mm_weight_grad(grad, mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides)
         out.append((weight, dw.t()))  # the TBackward0 between the node and the weight
     if bias is not None:  # the engine sums a broadcast input's gradient to its shape (sum_to)
         out.append((bias, grad.sum_to_size(bias.variable.shape)))
@@ -87,8 +90,10 @@ def _addmm(node, grad, accs):
 
 
 def _mm(node, grad, accs):
-    dw = _mm_weight_grad(grad, node._saved_self, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides)
-    return [(accs[0], dw.t())]
+    mat1 = node._saved_self
+    if mat1.layout != torch.strided:
+        return None
+    return [(accs[0], _mm_weight_grad(grad, mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides).t())]
 
 
 def _layer_norm(node, grad, accs):
@@ -167,8 +172,8 @@ class WeightPass:
 
 def _run_direct(g: _Group, captured: dict) -> bool:
     """W of a one-node group without the engine (module doc, "Direct W"); False leaves it to the engine
-    (a parameter has a tensor hook, or the gradient does not match the parameter as the engine would
-    cast it)."""
+    (a parameter has a tensor hook, the gradient does not match the parameter as the engine would cast
+    it, or an operand is not a strided tensor)."""
     formula, accs = g.direct
     if any(q._backward_hooks for q in g.params):
         return False
@@ -177,10 +182,13 @@ def _run_direct(g: _Group, captured: dict) -> bool:
     if saved is None or saved[0] is None:  # no gradient reached it in B
         return True
     grad = saved[0]
-    if any(grad.dtype != q.dtype or grad.device != q.device for q in g.params):
+    if grad.layout != torch.strided or any(grad.dtype != q.dtype or grad.device != q.device for q in g.params):
         return False
     with torch.no_grad():
-        for acc, dg in formula(node, grad, accs):
+        out = formula(node, grad, accs)
+        if out is None:
+            return False
+        for acc, dg in out:
             acc(dg)
     return True
 
