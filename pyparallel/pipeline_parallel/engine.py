@@ -332,9 +332,9 @@ class PipelineParallel:
              mb_masks=None) -> None:
         """Execute this rank's action list. Activations and gradients between chunks on the same rank (ZBV's
         turn) are handed over locally. Under a zero-bubble schedule, a stage about to block on a message
-        that has not arrived first runs deferred W's — the next ones of its list, in list order, whose B
-        has run — so the weight gradients fill the wait; W sends nothing, so the message order (and hence
-        every receive) is unchanged, and gradients accumulate in the same order as the list's.
+        that has not arrived first runs deferred W's whose B has run (which ones: below), so the weight
+        gradients fill the wait; W sends nothing, so the message order (and hence
+        every receive) is unchanged.
 
         Which W's may go early: the first pending W of a chunk whose B has run, unless a chunk it shares a
         parameter with (ZBV's tied embedding and head, both on rank 0) has a W pending before it in the
