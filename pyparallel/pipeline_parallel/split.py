@@ -23,20 +23,22 @@ recorded:
 
 **Direct W.** Each backward call costs the engine a walk over every node it can reach (most of the
 micro-batch's graph for the upper layers) plus Python's entry: ~0.1-0.3 ms per group, about a fifth of
-W's time for a GPT chunk on a CPU core (``benchmarks/split_backward.py``). The groups that are one node computing one layer's weight gradients — a
-Linear's ``AddmmBackward0`` / ``MmBackward0`` (through ``TBackward0``), a ``NativeLayerNormBackward0`` —
-skip the engine: W evaluates that node's own formula for its weight outputs from its saved tensors (the
-same ATen calls, in the same operand order, as autograd's generated code for those outputs) and hands each
-result to the parameter's ``AccumulateGrad`` node, which accumulates and fires post-accumulate hooks as in
-a backward. A parameter with a tensor hook (``register_hook``: the engine runs it) and every other node
-kind go through the engine. Hooks registered on the ``AccumulateGrad`` node itself (torch DDP's reducer) are
-not seen by the direct path; pyparallel's own engines use post-accumulate hooks.
+W's time for a GPT chunk on a CPU core (``benchmarks/split_backward.py``). The groups that are one node
+computing one layer's weight gradients — a Linear's ``AddmmBackward0`` / ``MmBackward0`` (through
+``TBackward0``), a ``NativeLayerNormBackward0`` — skip the engine: W evaluates that node's own formula
+for its weight outputs from its saved tensors (the same ATen calls, in the same operand order, as
+autograd's generated code for those outputs) and hands each result to the parameter's ``AccumulateGrad``
+node, which accumulates and fires post-accumulate hooks as in a backward. A parameter with a tensor hook
+(``register_hook``: the engine runs it) and every other node kind go through the engine. Hooks registered
+on the ``AccumulateGrad`` node itself (torch DDP's reducer) are not seen by the direct path; pyparallel's
+own engines use post-accumulate hooks.
 
 Because W accumulates through autograd's own ``AccumulateGrad`` nodes, ``.grad`` is written exactly as by
-a full backward (first gradient stolen — copied, on the direct path, which holds a reference to it —
-later ones added in place into an existing ``.grad``, such as a view of a flat DP buffer) and ``register_post_accumulate_grad_hook`` hooks fire once per parameter per
-(chunk, micro-batch). Each value W computes comes from the same node, inputs and saved tensors as in the
-full backward, so gradients are bit-identical to 1F1B's. One difference remains: W is several autograd
+a full backward (the first gradient stolen — copied on the direct path, which holds a reference to it —
+and later ones added in place into an existing ``.grad``, such as a view of a flat DP buffer) and
+``register_post_accumulate_grad_hook`` hooks fire once per parameter per (chunk, micro-batch). Each value
+W computes comes from the same node, inputs and saved tensors as in the full backward, so gradients are
+bit-identical to 1F1B's. One difference remains: W is several autograd
 calls (one per group), so a hook that waits for "the end of the backward" (``queue_callback``) sees
 several ends.
 
