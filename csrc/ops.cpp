@@ -6,6 +6,7 @@
 #else
 #include <torch/extension.h>
 
+#include "autograd/split_plan.h"
 #include "offload/bindings.h"  // --- optimizers ---
 #endif
 
@@ -51,5 +52,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pyparallel compiled kernels (ops are registered under torch.ops.pyparallel)";
   m.attr("with_cuda") = kWithCuda;
   pyparallel::offload::bind_optimizers(m);  // --- optimizers ---: SIMD level, OffloadCopyEngine
+  pyparallel::autograd::bind_split(m);       // the zero-bubble split's graph analysis
 }
 #endif  // PYPARALLEL_NO_PYTHON

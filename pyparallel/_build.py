@@ -19,10 +19,10 @@ import subprocess
 CSRC_IN_PACKAGE = "_csrc"
 
 # Files of csrc/ the extension is built from (relative to csrc/); csrc/tests is the CMake build's own.
-SOURCE_GLOBS = ("*.cpp", "cpu/*.cpp", "offload/*.cpp")
+SOURCE_GLOBS = ("*.cpp", "cpu/*.cpp", "offload/*.cpp", "autograd/*.cpp")
 CUDA_SOURCE_GLOBS = ("cuda/*.cu", "cuda/*.cpp")
 SHIPPED_GLOBS = SOURCE_GLOBS + CUDA_SOURCE_GLOBS + ("*.h", "cpu/*.h", "cuda/*.h", "cuda/*.cuh", "offload/*.h",
-                                                    "include/pyparallel/*.h")
+                                                    "autograd/*.h", "include/pyparallel/*.h")
 
 CXX_FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unused-function"]
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr"]

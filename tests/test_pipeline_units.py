@@ -82,7 +82,7 @@ def test_activation_meter_counts_and_lets_the_graph_go(backward):
     assert meter.live == 0 and meter.peak == 256
 
 
-def test_weight_pass_frees_the_micro_batch_without_the_garbage_collector():
+def test_weight_pass_frees_the_micro_batch_without_the_garbage_collector(split_analysis):
     """After B and W of a split backward, nothing of the micro-batch's graph is left: its saved tensors go
     when W returns, not when the cyclic garbage collector next runs (a self-calling closure in the graph
     analysis once held every node: ZB-H1's last stage kept 4-7 micro-batches' activations instead of 1)."""

@@ -74,7 +74,7 @@ class TwiceShared(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["gpt", "shared"])
-def test_split_backward_equals_full_backward_bitwise(kind):
+def test_split_backward_equals_full_backward_bitwise(kind, split_analysis):
     torch.manual_seed(0)
     if kind == "gpt":
         cfg, make = tiny_gpt(3)
@@ -109,7 +109,7 @@ def test_split_backward_equals_full_backward_bitwise(kind):
     assert direct == (groups if kind == "gpt" else 1) and groups > 1
 
 
-def test_direct_weight_pass_keeps_grad_buffers_and_tensor_hooks():
+def test_direct_weight_pass_keeps_grad_buffers_and_tensor_hooks(split_analysis):
     """W's direct path (split.py, "Direct W") adds into an existing ``.grad`` in place — here views of one
     flat buffer, as pyparallel's DP and ZeRO engines give — bit for bit as a full backward, and leaves a
     parameter with a tensor hook to the engine, which runs the hook once per backward."""
@@ -142,6 +142,71 @@ def test_direct_weight_pass_keeps_grad_buffers_and_tensor_hooks():
         assert torch.equal(flats[0], flats[1])
     assert [q.grad.data_ptr() for q in split.parameters()] == ptrs
     assert len(calls) == 3
+
+
+def _graphs():
+    """(output, input, parameters) of chunks whose W groups differ in shape: GPT blocks ending in the tied
+    head and the loss, a weight used twice, a Hugging Face Llama chunk (RMSNorm, rotary), and a parameter
+    reached only off the input's path (a bias added to a constant)."""
+    import transformers as tf
+
+    from pyparallel.pipeline_parallel import to_blocks, token_cross_entropy
+
+    torch.manual_seed(0)
+    cfg, make = tiny_gpt(2)
+    model = make()
+    blocks, _ = to_blocks(model)
+    idx = torch.randint(0, cfg.vocab_size, (2, 8))
+    x = blocks[0](idx).detach().requires_grad_()
+    y = x
+    for b in blocks[1:]:
+        y = b(y)
+    yield token_cross_entropy(y, idx), x, list(model.parameters())
+    shared = nn.Sequential(TwiceShared(), nn.LayerNorm(16))
+    x = torch.randn(4, 16, requires_grad=True)
+    yield shared(x), x, list(shared.parameters())
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=16))
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    y = llama.lm_head(llama.model(inputs_embeds=x).last_hidden_state)
+    yield y, x, list(llama.parameters())
+    lin, off = nn.Linear(16, 16), nn.Parameter(torch.randn(16))
+    x = torch.randn(4, 16, requires_grad=True)
+    yield lin(x) * (torch.ones(16) + off), x, [*lin.parameters(), off]
+
+
+def test_native_split_plan_equals_the_python_analysis():
+    """The C++ analysis (pyparallel._C.split_plan) finds the Python reference's groups — the same
+    intermediates, in the same order, each with the same parameters — and its hooks capture the same
+    gradients during B."""
+    from pyparallel.pipeline_parallel import split
+
+    native = split._native()
+    if native is None:
+        pytest.skip("pyparallel._C is not built: only the Python analysis exists")
+    for y, x, params in _graphs():
+        nodes = split.param_nodes_of(params)
+        ref = split._analyse(y.grad_fn, split._node_of(x), nodes)
+        plist = list(nodes.values())
+        found, capture = native.split_plan(y, x, plist)
+        assert [[id(n) for n in g.intermediates] for g in ref] == [[id(n) for n in i] for i, _ in found]
+        assert [{id(q) for q in g.params} for g in ref] == [{id(plist[k]) for k in q} for _, q in found]
+        assert len(ref) > 0
+        seen = {}
+        hooks = [n.register_prehook(lambda grads, n=n, seen=seen: seen.__setitem__(n, grads))
+                 for g in ref for n in g.intermediates]
+        torch.autograd.grad(y, x, torch.ones_like(y), retain_graph=True)
+        for h in hooks:
+            h.remove()
+        grads = capture.take()
+        for n, got in zip((n for g in ref for n in g.intermediates), grads):
+            want = seen.get(n)
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert len(got) == len(want)
+                assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
+        assert capture.take() == [], "take() hands the gradients over once"
 
 
 # --------------------------------------------------------------------------------- parity (processes)

@@ -21,6 +21,12 @@ recorded:
   weight used twice in the chunk) clamps each intermediate to its captured gradient, so what flows into
   it from the group's other roots is not counted twice.
 
+**Analysis.** B finds the intermediates and groups for every micro-batch, on the graph its forward just
+recorded (a cache across micro-batches would silently drop gradients the day a forward took another path).
+``pyparallel._C.split_plan`` (csrc/autograd/split_plan.cpp) walks the C++ graph and installs the capture
+pre-hooks in C++, making a Python object only for the intermediates; :func:`_analyse` and Python pre-hooks
+are the same computation without the extension, and the tests hold the two equal.
+
 **Direct W.** Each backward call costs the engine a walk over every node it can reach (most of the
 micro-batch's graph for the upper layers) plus Python's entry: ~0.1-0.3 ms per group, about a fifth of
 W's time for a GPT chunk on a CPU core (``benchmarks/split_backward.py``). The groups that are one node
@@ -258,10 +264,13 @@ def _analyse(root, x_node, param_nodes: dict) -> list[_Group]:
         for q in mine:
             if all(param_nodes[q] is not t for t in g.params):
                 g.params.append(param_nodes[q])
-    for g in groups.values():
+    return list(groups.values())
+
+
+def _set_direct(groups: list[_Group], param_nodes: dict) -> None:
+    for g in groups:
         if len(g.intermediates) == 1:
             g.direct = _direct_formula(g.intermediates[0], g.params, param_nodes)
-    return list(groups.values())
 
 
 def param_nodes_of(params) -> dict:
@@ -280,24 +289,45 @@ def backward_input(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, 
         return None, WeightPass(None, None, full=(y, grad))
     if param_nodes is None:
         param_nodes = param_nodes_of(params)
-    x_node = _node_of(x)
-    groups = _analyse(y.grad_fn, x_node, param_nodes)
-    captured: dict = {}
-    hooks = []
+    native = _native()
+    if native is not None:  # the same analysis and capture in C++ (module doc, "Analysis")
+        plist = list(param_nodes.values())
+        found, capture = native.split_plan(y, x, plist)
+        groups = [_Group(list(inter), [plist[i] for i in idx]) for inter, idx in found]
+        _set_direct(groups, param_nodes)
+        try:
+            (gx,) = torch.autograd.grad(y, x, grad, retain_graph=True, allow_unused=True)
+        finally:
+            grads = capture.take()
+        inters = (n for g in groups for n in g.intermediates)
+        captured = {n: t for n, t in zip(inters, grads) if t is not None}
+    else:
+        groups = _analyse(y.grad_fn, _node_of(x), param_nodes)
+        _set_direct(groups, param_nodes)
+        captured = {}
+        hooks = []
 
-    def capture(node):
-        def hook(grads):
-            captured[node] = grads
-        return hook
+        def capture(node):
+            def hook(grads):
+                captured[node] = grads
+            return hook
 
-    try:
-        for g in groups:
-            for node in g.intermediates:
-                hooks.append(node.register_prehook(capture(node)))
-        (gx,) = torch.autograd.grad(y, x, grad, retain_graph=True, allow_unused=True)
-    finally:
-        for h in hooks:
-            h.remove()
+        try:
+            for g in groups:
+                for node in g.intermediates:
+                    hooks.append(node.register_prehook(capture(node)))
+            (gx,) = torch.autograd.grad(y, x, grad, retain_graph=True, allow_unused=True)
+        finally:
+            for h in hooks:
+                h.remove()
     if gx is None:
         gx = torch.zeros_like(x)
     return gx, WeightPass(groups, captured)
+
+
+def _native():
+    """``pyparallel._C`` when it is built (with ``split_plan``), else None: the Python path below is the same
+    analysis (and this module's reference for it in the tests)."""
+    from pyparallel import _ops
+
+    return _ops._C if _ops.HAS_EXT and hasattr(_ops._C, "split_plan") else None
