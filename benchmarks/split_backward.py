@@ -7,7 +7,9 @@ gradient) runs, alternating per iteration:
 * **split**: ``split.backward_input`` (B: the input gradient only) then ``WeightPass.run`` (W), with
   W's one-node Linear / LayerNorm groups evaluated directly (``split.py``, "Direct W");
 * **split, engine W**: the same B, with every W group through an autograd call (the direct path off), as
-  before the direct path existed.
+  before the direct path existed;
+* **split, Python analysis**: B's graph analysis and capture hooks in Python (``split._analyse``), as
+  without the extension, instead of ``pyparallel._C.split_plan``.
 
 Reports medians of B, W and B + W, and B + W over the full backward: what splitting costs a stage.
 
@@ -30,6 +32,7 @@ from common import median, table, write_json  # noqa: E402
 
 from pyparallel.models.gpt import GPT, gpt_config, synthetic_batch  # noqa: E402
 from pyparallel.pipeline_parallel import to_blocks, token_cross_entropy  # noqa: E402
+from pyparallel.pipeline_parallel import split as split_module  # noqa: E402
 from pyparallel.pipeline_parallel.split import backward_input, param_nodes_of  # noqa: E402
 
 
@@ -69,8 +72,11 @@ def main():
         torch.autograd.backward(y, g)
         return time.perf_counter() - start, None
 
-    def split(direct: bool):
+    native = split_module._native
+
+    def split(direct: bool, python_analysis: bool = False):
         x, y, g = forward()
+        split_module._native = (lambda: None) if python_analysis else native
         start = time.perf_counter()
         _gx, wpass = backward_input(y, g, x, params, nodes)
         if not direct:
@@ -82,6 +88,8 @@ def main():
         return end - start, (mid - start, end - mid)
 
     runs = {"full": full, "split": lambda: split(True), "split, engine W": lambda: split(False)}
+    if native() is not None:
+        runs["split, Python analysis"] = lambda: split(True, python_analysis=True)
     times = {k: [] for k in runs}
     parts = {k: [] for k in runs}
     names = list(runs)

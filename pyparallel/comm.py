@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import socket
+import threading
 import time
 import weakref
 import zlib
@@ -81,6 +83,8 @@ class Group:
     # The same-host shared-memory transport (pyparallel/shm.py): None until first needed, False where the
     # group cannot use one (another host, another backend, no space, PYPARALLEL_SHM=0).
     arena: object = field(default=None, repr=False)
+    # gloo receives, waited for in posting order by a helper thread (_ReceiveWaiter): None until the first.
+    receive_waiter: object = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -294,6 +298,54 @@ class Handle:
 
     def is_completed(self) -> bool:
         return self._done or (self._work is None or self._work.is_completed())
+
+
+class _WaitedHandle(Handle):
+    """A gloo receive whose completion can be asked without blocking.
+
+    gloo marks a receive's work complete only inside ``wait()``: ``is_completed()`` stays False after the
+    data has arrived, so a pipeline stage asking whether a message is there (to run a deferred W instead of
+    waiting, pipeline_parallel/engine.py) would always hear no. The group's :class:`_ReceiveWaiter` thread
+    waits for the work instead and sets ``_arrived``; ``wait()`` waits for that (the thread's wait enforces
+    the group's timeout, and its error is raised here, named like any other)."""
+
+    def __init__(self, work, op: str, group: Group, seq: int):
+        super().__init__(work, op, group, seq)
+        self._arrived = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self._arrived.wait()
+        if self._error is not None:
+            raise _translate(self._error, self._op, self._group, self._seq) from self._error
+        self._done = True
+        self._work = None
+
+    def is_completed(self) -> bool:
+        return self._done or self._arrived.is_set()
+
+
+class _ReceiveWaiter:
+    """One daemon thread per gloo group carrying receives: waits for them in posting order — the order in
+    which point-to-point messages between two ranks arrive — with the GIL released inside gloo's wait."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="pyparallel-recv-waiter", daemon=True).start()
+
+    def submit(self, handle: _WaitedHandle) -> None:
+        self._queue.put(handle)
+
+    def _loop(self) -> None:
+        while True:
+            handle = self._queue.get()
+            try:
+                handle._work.wait()
+            except Exception as exc:  # the main thread raises it, translated, from handle.wait()
+                handle._error = exc
+            handle._arrived.set()
 
 
 def _run(op: str, group: Group, payload_bytes: int, issue, async_op: bool, fp_tensor=None):
@@ -730,6 +782,12 @@ def _p2p(op: str, group: Group, nbytes: int, issue, async_op: bool):
         work = issue()
     except Exception as exc:
         raise _translate(exc, op, group, seq) from exc
+    if async_op and op == "recv" and group.backend == "gloo" and work is not None:
+        if group.receive_waiter is None:
+            group.receive_waiter = _ReceiveWaiter()
+        handle = _WaitedHandle(work, op, group, seq)
+        group.receive_waiter.submit(handle)
+        return handle
     handle = Handle(work, op, group, seq)
     if async_op:
         return handle
