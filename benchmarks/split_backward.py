@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import median, table, write_json  # noqa: E402
 
 from pyparallel.models.gpt import GPT, gpt_config, synthetic_batch  # noqa: E402
-from pyparallel.pipeline_parallel import to_blocks, token_cross_entropy  # noqa: E402
 from pyparallel.pipeline_parallel import split as split_module  # noqa: E402
+from pyparallel.pipeline_parallel import to_blocks, token_cross_entropy  # noqa: E402
 from pyparallel.pipeline_parallel.split import backward_input, param_nodes_of  # noqa: E402
 
 
