@@ -294,40 +294,51 @@ def backward_input(y: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, 
         plist = list(param_nodes.values())
         found, capture = native.split_plan(y, x, plist)
         groups = [_Group(list(inter), [plist[i] for i in idx]) for inter, idx in found]
-        _set_direct(groups, param_nodes)
-        try:
-            (gx,) = torch.autograd.grad(y, x, grad, retain_graph=True, allow_unused=True)
-        finally:
-            grads = capture.take()
-        inters = (n for g in groups for n in g.intermediates)
-        captured = {n: t for n, t in zip(inters, grads) if t is not None}
+        take = capture.take
     else:
         groups = _analyse(y.grad_fn, _node_of(x), param_nodes)
-        _set_direct(groups, param_nodes)
-        captured = {}
-        hooks = []
-
-        def capture(node):
-            def hook(grads):
-                captured[node] = grads
-            return hook
-
-        try:
-            for g in groups:
-                for node in g.intermediates:
-                    hooks.append(node.register_prehook(capture(node)))
-            (gx,) = torch.autograd.grad(y, x, grad, retain_graph=True, allow_unused=True)
-        finally:
-            for h in hooks:
-                h.remove()
+        take = _capture(groups)
+    _set_direct(groups, param_nodes)
+    try:
+        (gx,) = torch.autograd.grad(y, x, grad, retain_graph=True, allow_unused=True)
+    finally:
+        grads = take()
     if gx is None:
         gx = torch.zeros_like(x)
-    return gx, WeightPass(groups, captured)
+    inters = (n for g in groups for n in g.intermediates)
+    return gx, WeightPass(groups, {n: t for n, t in zip(inters, grads) if t is not None})
+
+
+def _capture(groups: list[_Group]):
+    """Python pre-hooks recording the gradient that flows into every intermediate during B; the function
+    returned removes them and gives, per intermediate in group order, its gradients (None: it did not run)."""
+    seen: dict = {}
+    hooks = []
+
+    def hook_for(node):
+        def hook(grads):
+            seen[node] = grads
+        return hook
+
+    try:
+        for g in groups:
+            for node in g.intermediates:
+                hooks.append(node.register_prehook(hook_for(node)))
+    except BaseException:
+        for h in hooks:
+            h.remove()
+        raise
+
+    def take() -> list:
+        for h in hooks:
+            h.remove()
+        return [seen.get(n) for g in groups for n in g.intermediates]
+    return take
 
 
 def _native():
-    """``pyparallel._C`` when it is built (with ``split_plan``), else None: the Python path below is the same
-    analysis (and this module's reference for it in the tests)."""
+    """``pyparallel._C`` when it is built (with ``split_plan``), else None: :func:`_analyse` and
+    :func:`_capture` are the same computation in Python (and its reference in the tests)."""
     from pyparallel import _ops
 
     return _ops._C if _ops.HAS_EXT and hasattr(_ops._C, "split_plan") else None
