@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <memory>

@@ -3,7 +3,7 @@
 // graph and makes Python node objects, so only the Python extension compiles it (not the CMake build).
 #pragma once
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 namespace pyparallel {
 namespace autograd {
