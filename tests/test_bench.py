@@ -83,6 +83,14 @@ def test_four_process_layouts_match_the_reference(tmp_path):
     assert status == 0
 
 
+def test_zero_bubble_rows_run_and_match_the_reference(tmp_path):
+    """pp-zb-h1 and pp-zbv (Qi et al. 2023) train the same GPT as one process (zbv: 4 chunks on 2 ranks)."""
+    status, _, data = _bench(tmp_path, "--layers", "4", "--strategies", "single,pp-zb-h1,pp-zbv")
+    rows = _all_match(data)
+    assert list(rows) == ["single", "pp-zb-h1", "pp-zbv"] and status == 0
+    assert S.known(2)["pp-zbv"].virtual == 2 and S.known(2)["pp-zb-h1"].schedule == "zb-h1"
+
+
 def test_outputs_are_written(short_run):
     _, paths, data = short_run
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

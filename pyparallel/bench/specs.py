@@ -2,7 +2,8 @@
 and which the default run picks.
 
 Names are short and stable (they are the keys of the JSON rows): ``single``, ``ddp``, ``zero1``,
-``zero2``, ``zero3``, ``zero3-offload``, ``tp``, ``pp-gpipe``, ``pp-1f1b``, ``pp-interleaved``, layouts
+``zero2``, ``zero3``, ``zero3-offload``, ``tp``, ``pp-gpipe``, ``pp-1f1b``, ``pp-interleaved``,
+``pp-zb-h1``, ``pp-zbv`` (zero bubble, Qi et al. 2023), layouts
 such as ``dp2xtp2``, ``dp2xpp2``, ``tp2xpp2``, ``dp2xtp2xpp2`` (degrees multiply to the world size; plain
 data parallelism on dp), the same with a ZeRO stage on dp (``dp2xtp2-zero3``: ``pyparallel.parallelize``),
 and the peers added by ``--peers``: PyTorch's ``torch-*`` and DeepSpeed's ``deepspeed-*``.
@@ -28,7 +29,7 @@ class StrategySpec:
     zero: int = 0  # 0: plain data parallel (DDP) over dp
     offload: bool = False
     schedule: str = "1f1b"
-    virtual: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    virtual: int = 1  # model chunks per pipeline rank (interleaved and zbv schedules)
     peer_of: str | None = None
     note: str = ""
 
@@ -50,7 +51,9 @@ class StrategyError(ValueError):
     """A strategy name the bench does not know, or one that does not fit the world size or the model."""
 
 
-_PP_SCHEDULES = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved"}
+_PP_SCHEDULES = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved", "pp-zb-h1": "zb-h1",
+                 "pp-zbv": "zbv"}
+_TWO_CHUNKS = ("interleaved", "zbv")  # schedules with 2 model chunks per pipeline rank in the bench
 _LAYOUT = re.compile(r"^(?:dp(\d+))?(?:x?tp(\d+))?(?:x?pp(\d+))?(?:-zero[0-3])?$")
 
 # PyTorch's own implementations, each against the pyparallel strategy a user would otherwise compare.
@@ -99,7 +102,7 @@ def named(world: int) -> dict[str, StrategySpec]:
                                             note="pyparallel.zero.setup(stage=3, offload_optimizer=True)")
         out["tp"] = StrategySpec("tp", tp=n, note="pyparallel.tensor_parallel.parallelize")
         for name, sched in _PP_SCHEDULES.items():
-            out[name] = StrategySpec(name, pp=n, schedule=sched, virtual=2 if sched == "interleaved" else 1,
+            out[name] = StrategySpec(name, pp=n, schedule=sched, virtual=2 if sched in _TWO_CHUNKS else 1,
                                      note=f"pyparallel.pipeline_parallel.PipelineParallel, {sched}")
         for peer, (ours, what) in {**PEERS, **DEEPSPEED_PEERS}.items():
             base = out[ours]

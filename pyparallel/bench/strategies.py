@@ -124,7 +124,7 @@ class Pipeline(Adapter):
             def loss_fn(logits, targets):  # the head's logits stay split by vocabulary
                 return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), group)
 
-        v = self.spec.virtual if self.spec.schedule == "interleaved" else 1
+        v = self.spec.virtual
         self.pipe = PipelineParallel(model, self.mesh, schedule=self.spec.schedule, num_microbatches=self.m,
                                      virtual_stages=v, loss_fn=loss_fn)
         self.opt = adamw(self.pipe.parameters(), self.hp)
@@ -155,7 +155,7 @@ class Parallel(Adapter):
         super().__init__(*a)
         import pyparallel
 
-        v = self.spec.virtual if self.spec.schedule == "interleaved" else 1
+        v = self.spec.virtual
         m = self.m if self.mesh.pp > 1 else 1  # micro-batches are a pipeline's; dp x tp steps whole batches
         self.pm = pyparallel.parallelize(self.new_model(), self.mesh, zero_stage=self.spec.zero, num_microbatches=m,
                                          schedule=self.spec.schedule, virtual_stages=v,
