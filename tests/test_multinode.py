@@ -139,9 +139,8 @@ def test_a_lost_node_ends_the_survivors_with_a_named_error_within_the_timeout(ho
     assert procs[0].returncode != 0
     assert took <= limit + 30, took  # the collective timeout plus torchrun's shutdown, never a hang
     # Each survivor names the collective it waited in, its group and the ranks of that group: the step's
-    # gradient reduction on 'dp', or the step's overflow / gradient-norm check on 'world' (zero/engine.py) if the
-    # node went while a rank was in it (both
-    # groups hold the four ranks here).
+    # gradient reduction on 'dp', or its overflow / gradient-norm check on 'world' (zero/engine.py) if the
+    # node went while a rank was in that (both groups hold the four ranks here).
     named = [ln for ln in err.splitlines() if "pyparallel.comm.Collective" in ln]
     assert named, err[-3000:]
     for line in named:
