@@ -31,6 +31,27 @@ def test_schedules_are_deadlock_free_and_meet_theory(schedule, v):
                     schedules.Action(k, c, i) for k in "FB" for c in range(r, p * v, p) for i in range(m))
 
 
+def test_play_at_measured_times_counts_uneven_stages_and_message_latency():
+    """``schedules.play`` (what ``stats()["bubble_simulated"]`` replays): at unit times it is ``simulate``;
+    a slower stage and a message latency stretch the step exactly as the dependencies say."""
+    for schedule, v in (("1f1b", 1), ("zb-h1", 1), ("zbv", 2)):
+        lists = [schedules.build(schedule, r, 4, 8, v) for r in range(4)]
+        whole_b = 1.0 if schedule in schedules.SPLIT_BACKWARD else 2.0  # B + W in one without a split
+        unit = schedules.play(lists, schedule, 4, lambda r, a, b=whole_b, v=v: (b if a.kind == "B" else 1.0) / v)
+        assert unit == schedules.simulate(schedule, 4, 8, v)
+    # GPipe, p = m = 2, unit times: F0.0 F0.1 | F1.0 (from 1.25) F1.1 B1.0 B1.1 (until 5.25) | B0.0 (from
+    # 4.5) B0.1 (from 5.5, until 6.5): the first message and the last each add their latency
+    gpipe = [schedules.build("gpipe", r, 2, 2) for r in range(2)]
+    sim = schedules.play(gpipe, "gpipe", 2, lambda r, a: 1.0, latency=0.25)
+    assert sim["step"] == pytest.approx(6.5) and sim["busy"] == [4.0, 4.0]
+    # 1F1B, p = 2, m = 2, the last stage twice as slow: F0 F0 | F1 B1 F1 B1 | B0 B0 -> the last stage is
+    # busy 8 from t = 1, the first stage waits for each gradient: step 1 + 8 + 1 = 10
+    lists = [schedules.build("1f1b", r, 2, 2) for r in range(2)]
+    sim = schedules.play(lists, "1f1b", 2, lambda r, a: 1.0 + r)
+    assert sim["step"] == pytest.approx(10.0) and sim["busy"] == [4.0, 8.0]
+    assert sim["bubble"] == pytest.approx((6.0 + 2.0) / 20.0)
+
+
 def test_every_message_has_a_receiver_in_order():
     """What a sender sends to its neighbour is, message for message, what the neighbour consumes."""
     for schedule, v in (("1f1b", 1), ("interleaved", 2)):

@@ -254,7 +254,11 @@ def zb_body(pp, n_layer, configs, tie=True):
         compare(model, pipe, losses, ref)
         st = pipe.stats()
         out.append({"peak": st["peak_inflight"], "limit": st["inflight_limit"], "split": st["split"],
-                    "tied": len(pipe._tied), "bubble": st["bubble_measured"], "theory": st["bubble_theory"]})
+                    "tied": len(pipe._tied), "bubble": st["bubble_measured"], "theory": st["bubble_theory"],
+                    "sim": st["bubble_simulated"], "steps": st["stages"][mesh.pp_rank]["steps"],
+                    "microbatches": st["stages"][mesh.pp_rank]["microbatches"],
+                    "timed": sorted(st["stages"][mesh.pp_rank]["action_s"]),
+                    "chunks": sorted(pipe.chunks)})
     return out
 
 
@@ -275,6 +279,9 @@ def test_zero_bubble_parity(pp, n_layer):
             assert split["no_input_grad"] == (m * first_chunks if rank == 0 else 0)
             assert split["split"] == m * (2 if schedule == "zbv" else 1) - split["no_input_grad"]
             assert 0.0 <= r["bubble"] < 1.0 and r["theory"] < (pp - 1) / (m + pp - 1)
+            # every action of this stage's chunks was timed, per micro-batch, and replayed
+            assert r["timed"] == sorted(f"{k}{c}" for k in "FBW" for c in r["chunks"])
+            assert r["microbatches"] == r["steps"] * m and 0.0 <= r["sim"] < 1.0
 
 
 def test_zero_bubble_parity_checkpointing_and_untied():

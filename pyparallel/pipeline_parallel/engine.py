@@ -279,7 +279,7 @@ class PipelineParallel:
             busy_s=compute.busy_s, idle_s=links.wait_s + flush_s, wall_s=time.perf_counter() - start,
             peak_inflight=compute.peak_inflight,
             peak_activation_bytes=self._meter.peak if self._meter is not None else None,
-            weight_s=compute.weight_s, early_w=self._early_w,
+            weight_s=compute.weight_s, microbatches=m, action_s=dict(compute.action_s), early_w=self._early_w,
             split=dict(compute.split_counts) if self.split_backward else None))
         return loss
 
@@ -484,9 +484,21 @@ class PipelineParallel:
             "inflight_limit": [s["inflight_limit"] for s in stages],
             "peak_activation_bytes": [s.get("peak_activation_bytes") for s in stages],
             "split": [s.get("split") for s in stages],
+            "bubble_simulated": self._simulated_bubble(stages, m),
             "stages": stages,
         })
         return out
+
+    def _simulated_bubble(self, stages: list[dict], m: int) -> float | None:
+        """The bubble of the schedule's lists played at each stage's measured time per micro-batch of each
+        action (free messages): what this schedule leaves at these compute times, an uneven split
+        included. None before every stage has timed a step."""
+        if not all(s.get("steps") for s in stages):
+            return None
+        lists = [schedules.build(self.schedule, r, self.p, m, self.v) for r in range(self.p)]
+        per_mb = [{k: t / s["microbatches"] for k, t in s["action_s"].items()} for s in stages]
+        return schedules.play(lists, self.schedule, self.p,
+                              lambda r, a: per_mb[r].get(f"{a.kind}{a.chunk}", 0.0))["bubble"]
 
 
 def mb_shape(t: torch.Tensor, m: int) -> tuple[tuple, torch.dtype]:

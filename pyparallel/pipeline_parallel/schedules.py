@@ -257,9 +257,17 @@ def simulate(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: f
     tests to check every schedule is deadlock-free and meets its theory."""
     v = chunks_per_stage(schedule, v)
     lists = [build(schedule, r, p, m, v) for r in range(p)]
-    num_chunks = p * v
     split = schedule in SPLIT_BACKWARD
-    cost_of = {"F": t_f, "B": t_b if split else t_b + t_w, "W": t_w}
+    cost_of = {"F": t_f / v, "B": (t_b if split else t_b + t_w) / v, "W": t_w / v}
+    return play(lists, schedule, p, lambda r, a: cost_of[a.kind])
+
+
+def play(lists, schedule: str, p: int, cost, latency: float = 0.0) -> dict:
+    """Play every stage's action list against the others: each action starts when its stage is free and
+    its input is there (``latency`` after the action that produced it, when that ran on another stage).
+    ``cost(rank, action)``: the action's compute time. Same result dict as :func:`simulate`."""
+    num_chunks = max(a.chunk for actions in lists for a in actions) + 1
+    split = schedule in SPLIT_BACKWARD
     done: dict[Action, float] = {}
     pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
     alive, peak = [0] * p, [0] * p
@@ -279,10 +287,11 @@ def simulate(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: f
                 dep = Action("F", a.chunk, a.mb)
             if dep is not None and dep not in done:
                 continue
-            cost = cost_of[a.kind] / v
-            start = max(clock[r], done[dep] if dep is not None else 0.0)
-            clock[r] = start + cost
-            busy[r] += cost
+            arrives = 0.0 if dep is None else done[dep] + (
+                latency if stage_of(schedule, dep.chunk, p) != r else 0.0)
+            spent = cost(r, a)
+            clock[r] = max(clock[r], arrives) + spent
+            busy[r] += spent
             done[a] = clock[r]
             freed = "W" if split else "B"
             alive[r] += 1 if a.kind == "F" else -1 if a.kind == freed else 0
@@ -291,8 +300,8 @@ def simulate(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: f
             progressed = True
         if not progressed:
             stuck = {r: lists[r][pos[r]] for r in range(p) if pos[r] < len(lists[r])}
-            raise RuntimeError(f"schedule {schedule} (p={p}, m={m}, v={v}) deadlocks at {stuck}")
+            raise RuntimeError(f"schedule {schedule} (p={p}) deadlocks at {stuck}")
     end = max(clock)
     idle = [end - b for b in busy]
     return {"step": end, "busy": busy, "idle": idle, "peak_inflight": peak,
-            "bubble": sum(idle) / (p * end)}
+            "bubble": sum(idle) / (p * end) if end > 0 else 0.0}

@@ -150,6 +150,10 @@ class StageCompute:
         self.pending_w: dict[tuple[int, int], object] = {}
         self.busy_s = 0.0
         self.weight_s = 0.0
+        # Seconds per action kind and chunk ("F3", "B3", "W3"), summed over the step's micro-batches: the
+        # stage's measured compute times, which ``schedules.play`` replays to tell the schedule's own
+        # bubble at these times from what messages and the runtime add.
+        self.action_s: dict[str, float] = {}
         self.peak_inflight = 0
         self.loss_sum = 0.0
         # B passes that were split (input gradient only), that ran the whole backward (checkpointed
@@ -169,7 +173,7 @@ class StageCompute:
         else:
             y = self.chunks[c](x, mask)
             result = self._finish_forward(c, mb, x, y, target, scale)
-        self.busy_s += time.perf_counter() - start
+        self._spent("F", c, time.perf_counter() - start)
         self.peak_inflight = max(self.peak_inflight, len(self.state) + len(self.pending_w))
         return result
 
@@ -204,7 +208,7 @@ class StageCompute:
             self.split_counts[kind] += 1
             self.split_counts["weight_groups"] += wpass.num_groups
             self.split_counts["weight_groups_direct"] += wpass.num_direct
-            self.busy_s += time.perf_counter() - start
+            self._spent("B", c, time.perf_counter() - start)
             return gx if c != 0 and x.requires_grad else None
         if self.split:
             self.split_counts["full_checkpointed"] += 1
@@ -213,7 +217,7 @@ class StageCompute:
                 torch.autograd.backward(y)
             else:
                 torch.autograd.backward(y, grad)
-        self.busy_s += time.perf_counter() - start
+        self._spent("B", c, time.perf_counter() - start)
         if c == 0 or not x.requires_grad:
             return None
         return x.grad if x.grad is not None else torch.zeros_like(x)
@@ -230,5 +234,10 @@ class StageCompute:
         start = time.perf_counter()
         wpass.run()
         spent = time.perf_counter() - start
-        self.busy_s += spent
+        self._spent("W", c, spent)
         self.weight_s += spent
+
+    def _spent(self, kind: str, c: int, seconds: float) -> None:
+        self.busy_s += seconds
+        key = f"{kind}{c}"
+        self.action_s[key] = self.action_s.get(key, 0.0) + seconds

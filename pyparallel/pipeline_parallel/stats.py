@@ -6,12 +6,18 @@
   pipeline group, which every stage reaches only after the last backward of the whole pipeline).
 * **weight**: the part of busy spent in deferred W passes (zero-bubble schedules), and how many of them
   ran early, to fill a wait for a message.
+* **action_s**: busy time per action kind and chunk (``"F3"``, ``"B3"``, ``"W3"``: forward, backward or
+  its input-gradient half, weight gradients of chunk 3), summed over the steps' ``microbatches``; their
+  ratio is the stage's measured time per micro-batch, which ``bubble_simulated`` replays.
 * **split**: per step, how this stage's backward passes were split — ``split`` (B computed the input
   gradient only), ``no_input_grad`` (the first chunk: B empty, all of it in W), ``full_checkpointed``
   (activation checkpointing: the whole backward in B, W empty) — and how many weight groups W ran
   (``weight_groups``), of which ``weight_groups_direct`` skipped the autograd engine (``split.py``).
 * **bubble** = idle / (busy + idle), per stage; the pipeline's is the mean over stages. The theory it is
-  compared with, ``(p - 1) / (v m + p - 1)``, assumes equal chunk times and free messages.
+  compared with, ``(p - 1) / (v m + p - 1)``, assumes equal chunk times and free messages;
+  ``bubble_simulated`` plays this rank's list against the others' at the measured action times with free
+  messages, so what it leaves is the schedule's at these times (an uneven split included), and the
+  measured bubble's excess over it is what messages, waits and the runtime add.
 
 Activation bytes are measured, not estimated: :class:`SavedTensorMeter` installs autograd saved-tensor
 hooks and counts the bytes of every distinct storage autograd keeps for backward (parameters excluded),
@@ -35,6 +41,8 @@ class StepRecord:
     peak_inflight: int = 0
     peak_activation_bytes: int | None = None
     weight_s: float = 0.0
+    microbatches: int = 0
+    action_s: dict = field(default_factory=dict)
     early_w: int = 0
     split: dict | None = None
 
@@ -66,6 +74,9 @@ class StageStats:
             "median_step_s": statistics.median(s.wall_s for s in self.steps),
             "peak_inflight": max(s.peak_inflight for s in self.steps),
             "peak_activation_bytes": max(act) if act else None,
+            "microbatches": sum(s.microbatches for s in self.steps),
+            "action_s": {k: sum(s.action_s.get(k, 0.0) for s in self.steps)
+                         for k in sorted({k for s in self.steps for k in s.action_s})},
             "weight_s": sum(s.weight_s for s in self.steps),
             "early_w": sum(s.early_w for s in self.steps),
             "split": self.steps[-1].split,
