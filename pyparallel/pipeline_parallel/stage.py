@@ -149,7 +149,6 @@ class StageCompute:
         self.state: dict[tuple[int, int], tuple] = {}
         self.pending_w: dict[tuple[int, int], object] = {}
         self.busy_s = 0.0
-        self.weight_s = 0.0
         # Seconds per action kind and chunk ("F3", "B3", "W3"), summed over the step's micro-batches: the
         # stage's measured compute times, which ``schedules.play`` replays to tell the schedule's own
         # bubble at these times from what messages and the runtime add.
@@ -233,9 +232,12 @@ class StageCompute:
             return
         start = time.perf_counter()
         wpass.run()
-        spent = time.perf_counter() - start
-        self._spent("W", c, spent)
-        self.weight_s += spent
+        self._spent("W", c, time.perf_counter() - start)
+
+    @property
+    def weight_s(self) -> float:
+        """Seconds in W passes this step."""
+        return sum(t for k, t in self.action_s.items() if k[0] == "W")
 
     def _spent(self, kind: str, c: int, seconds: float) -> None:
         self.busy_s += seconds
