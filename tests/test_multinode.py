@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,9 +51,28 @@ def _torchrun(hosts, node, port, argv, nnodes="2", extra=(), local=(), disks=Non
         "--rdzv-conf", f"is_host={int(node == 0)}{conf}", "--local-addr", hosts.addr[node], *extra, *argv])
 
 
-def _start(hosts, node, port, argv, **kw):
-    return subprocess.Popen(_torchrun(hosts, node, port, argv, **kw), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=hosts.env(node, ENV), cwd=ROOT)
+class _Node(subprocess.Popen):
+    """A node's torchrun writing its stdout and stderr into files, not pipes. Its output is read once it
+    has ended (``communicate``), so it never waits for a reader: a pipe the test is not reading (the other
+    node's, while it waits on this one, or both while it polls the metrics) fills at 64 KiB and stops the
+    writer mid-run -- and a node that cannot finish keeps the other node's agent in torchrun's exit
+    barrier for its 300 s."""
+
+    def __init__(self, cmd, env):
+        self._files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
+        super().__init__(cmd, stdout=self._files[0], stderr=self._files[1], text=True, env=env, cwd=ROOT)
+
+    def communicate(self, input=None, timeout=None):  # Popen's signature
+        self.wait(timeout=timeout)
+        out = []
+        for f in self._files:
+            f.seek(0)
+            out.append(f.read())
+        return tuple(out)
+
+
+def _start(hosts, node, port, argv, env=None, **kw):
+    return _Node(_torchrun(hosts, node, port, argv, **kw), env or hosts.env(node, ENV))
 
 
 def _both(hosts, argv, timeout=300):
@@ -124,8 +144,7 @@ def test_a_lost_node_ends_the_survivors_with_a_named_error_within_the_timeout(ho
     port = free_port()
     argv = _train("--steps", "100000", "--metrics", str(metrics))
     env = {"PYPARALLEL_TIMEOUT": str(limit)}
-    procs = [subprocess.Popen(_torchrun(hosts, node, port, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**hosts.env(node, ENV), **env}, cwd=ROOT) for node in (0, 1)]
+    procs = [_start(hosts, node, port, argv, env={**hosts.env(node, ENV), **env}) for node in (0, 1)]
     try:
         _wait_for_steps(metrics, 3, procs)
         hosts.cut(1)  # the partition first: node 1's sockets cannot even say goodbye
@@ -169,8 +188,7 @@ def test_a_job_restarted_after_a_node_is_lost_resumes_exactly(hosts, tmp_path):
     env = [{**hosts.env(node, ENV), "PYPARALLEL_TIMEOUT": "30"} for node in (0, 1)]
 
     def start(port, node):
-        return subprocess.Popen(_torchrun(hosts, node, port, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env[node], cwd=ROOT)
+        return _start(hosts, node, port, argv, env=env[node])
 
     port = free_port()
     first = [start(port, 0), start(port, 1)]
@@ -207,8 +225,7 @@ def test_an_elastic_job_resumes_exactly_when_the_lost_node_rejoins(hosts, tmp_pa
     def start(node):  # last_call_timeout: the round waits this long for node 1 before going on without it
         cmd = _torchrun(hosts, node, port, argv, nnodes="1:2", extra=("--max-restarts", "3"),
                         conf=",last_call_timeout=60")
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env[node],
-                                cwd=ROOT)
+        return _Node(cmd, env[node])
 
     procs = [start(0), start(1)]
     try:
@@ -236,9 +253,7 @@ def test_an_elastic_job_resumes_exactly_when_the_lost_node_rejoins(hosts, tmp_pa
 def _run_both(hosts, argv, local):
     """Both nodes, node 1 with ``local`` folders of its own; (return codes, stderrs)."""
     port = free_port()
-    procs = [subprocess.Popen(_torchrun(hosts, node, port, argv, local=local if node else ()),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=hosts.env(node, ENV), cwd=ROOT) for node in (0, 1)]
+    procs = [_start(hosts, node, port, argv, local=local if node else ()) for node in (0, 1)]
     try:
         errs = [p.communicate(timeout=300)[1] for p in procs]
     finally:
@@ -273,9 +288,7 @@ def test_node_local_checkpoint_folders_are_refused_not_half_saved_or_half_resume
 def _on_own_disks(hosts, argv, folder: Path, disks: list[Path], timeout=120):
     """Both nodes, each seeing ``disks[node]`` at ``folder``; (return codes, stdouts, stderrs, seconds)."""
     port = free_port()
-    procs = [subprocess.Popen(_torchrun(hosts, node, port, argv, disks={str(folder): str(disks[node])}),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=hosts.env(node, ENV), cwd=ROOT) for node in (0, 1)]
+    procs = [_start(hosts, node, port, argv, disks={str(folder): str(disks[node])}) for node in (0, 1)]
     began = time.monotonic()
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
