@@ -1,10 +1,11 @@
 // Every op schema of the pyparallel namespace, in one place (DESIGN.md). Kernels register per backend
 // with TORCH_LIBRARY_IMPL in csrc/cpu and csrc/cuda; Python wrappers, fake (meta) kernels and the
 // plain-torch references live in pyparallel/_ops.py. pybind11 is only for objects with state.
-#ifdef PYPARALLEL_NO_PYTHON
+// Only torch/library.h and pybind11 here, not torch/extension.h: this file is compiled on every install.
 #include <torch/library.h>
-#else
-#include <torch/extension.h>
+
+#ifndef PYPARALLEL_NO_PYTHON
+#include <pybind11/pybind11.h>
 
 #include "autograd/split_plan.h"
 #include "offload/bindings.h"  // --- optimizers ---

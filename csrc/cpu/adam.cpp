@@ -5,8 +5,8 @@
 // concatenation and runs the SIMD path of simd::active() over the tensor pieces in it. Each element is
 // touched once (read p, g, m, v; write p, m, v and, optionally, a bf16/fp16 copy of p), so the step runs
 // at memory bandwidth. The formula and rounding order are in adam_kernel.h.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>

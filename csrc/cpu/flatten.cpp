@@ -2,7 +2,7 @@
 // One parallel loop over all elements of all tensors (not one loop per tensor), so a bucket of many
 // small parameters costs one fork/join instead of hundreds.
 #include <ATen/Parallel.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <cstring>

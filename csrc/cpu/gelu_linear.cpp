@@ -13,8 +13,12 @@
 //
 // The elementwise math runs on float rows with polynomial exp/erf that the compiler vectorizes (one clone
 // per ISA level, chosen at load time); double uses the C library for gradcheck-grade accuracy.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

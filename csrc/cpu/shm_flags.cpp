@@ -6,7 +6,7 @@
 // The wait spins briefly (a peer on another core answers in microseconds), then yields its core (several
 // ranks may share one core), then sleeps in short steps (a peer still computing its backward may take
 // milliseconds), and gives up at the timeout, returning which rank is behind so the caller can name it.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <chrono>

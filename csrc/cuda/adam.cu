@@ -5,8 +5,9 @@
 //
 // Math is fp32. Params may be fp32, bf16 or fp16 (state is fp32 either way); grads fp32/bf16/fp16; an
 // optional bf16/fp16 copy of the updated param is written in the same pass.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

@@ -3,7 +3,9 @@
 // async copy on the current stream, and each block walks its share of the concatenation.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <vector>

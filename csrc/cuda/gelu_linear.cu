@@ -12,7 +12,10 @@
 // two matmuls (dA = dY W, dW = dY^T gelu(z + b)) to cuBLAS; the recomputed activation is a transient buffer
 // freed before backward returns, so what autograd keeps between the passes is z alone.
 // Everything runs on the current stream.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>

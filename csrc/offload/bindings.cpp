@@ -2,6 +2,8 @@
 // while a copy finishes.
 #include "bindings.h"
 
+#include <torch/csrc/utils/pybind.h>  // the casters for at::Device and dtypes, without all of torch/extension.h
+
 #include <string>
 #include <vector>
 

@@ -3,7 +3,7 @@
 // developer build of csrc/cpu has no Python).
 #pragma once
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 namespace pyparallel {
 namespace offload {

@@ -2,7 +2,10 @@
 // a CUDA side stream with one event per ticket, or a worker thread for CPU tensors.
 #include "copy_engine.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 
 #include <cstdio>
 #include <cstring>

@@ -6,7 +6,7 @@
 // or a CPU device) the same API copies on a worker thread: the Python code above it is one code path.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <atomic>
 #include <condition_variable>

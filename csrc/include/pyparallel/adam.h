@@ -3,7 +3,7 @@
 // both receive, so that both reject bad input with the same message.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

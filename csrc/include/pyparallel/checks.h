@@ -2,8 +2,9 @@
 // user reading the Python traceback knows which tensor to fix.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
+// Only the Tensor class and TORCH_CHECK: ATen/ATen.h (every op) triples a translation unit's compile time.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #define PP_CHECK(cond, op, ...) TORCH_CHECK(cond, "pyparallel::", op, ": ", __VA_ARGS__)
 
