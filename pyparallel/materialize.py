@@ -7,8 +7,10 @@ Two sources of values:
 * ``weights=``: a safetensors file or Hugging Face folder (``checkpoint.weights``); each rank reads only
   its pieces, after the wrapper has laid out its shards (the wrapper calls :func:`load`).
 * no weights: every module that owns meta parameters is given storage (``to_empty``) and initialised by
-  ``init(name, module)`` when given, else by its own ``reset_parameters()`` (a Hugging Face model's
-  ``_init_weights`` for modules without one, such as RMSNorm), under ``torch.manual_seed`` of a seed
+  ``init(name, module)`` when given, else by the root's ``init_module(name, module)`` when it has one (the
+  built-in GPT), else by its own ``reset_parameters()`` followed by a Hugging Face model's
+  ``_init_weights`` (as ``from_config`` initialises: RMSNorm and other modules without
+  ``reset_parameters()`` get the latter alone), under ``torch.manual_seed`` of a seed
   derived from the module's qualified name (:func:`seed_of`). The values therefore depend on neither the
   order nor the process: the same calls in one process give the same model.
 
@@ -43,6 +45,11 @@ def _hf_init(root: nn.Module):
     return getattr(root, "_init_weights", None) if hasattr(root, "config") else None
 
 
+def default_init(root: nn.Module, init=None):
+    """``init``, else the root's own ``init_module(name, module)`` (the built-in GPT's), else None."""
+    return init if init is not None else getattr(root, "init_module", None)
+
+
 @torch.no_grad()
 def empty_params(model: nn.Module, device: torch.device) -> None:
     """Storage (uninitialised) on ``device`` for every meta parameter, keeping ties: a parameter registered
@@ -61,7 +68,7 @@ def empty_params(model: nn.Module, device: torch.device) -> None:
 @torch.no_grad()
 def initialize(model: nn.Module, device: torch.device, init=None) -> None:
     """Give every meta parameter storage on ``device`` and values (see the module docstring)."""
-    hf = _hf_init(model)
+    hf, init = _hf_init(model), default_init(model, init)
     owners = []  # modules in registration order, each with the parameters it is the first to hold
     seen: set[int] = set()
     for name, module in model.named_modules():
@@ -81,19 +88,28 @@ def _cannot_init(name: str, module: nn.Module) -> ValueError:
                       f"or init=callable(name, module) to initialise it")
 
 
-def init_one(name: str, module: nn.Module, init, hf) -> None:
-    """One module's initialisation (``init``, else ``reset_parameters()``, else the Hugging Face model's
-    ``_init_weights``) under the seed of its name, leaving the caller's random state as it was."""
+def seeded_default(model: nn.Module, seed: int):
+    """An ``init`` that runs the default initialisation (below) under ``seed_of(name, seed)`` instead of
+    ``seed_of(name)``: another random model, still independent of the process and the order."""
+    hf = _hf_init(model)
+    return lambda name, module: init_one(name, module, None, hf, base=seed)
+
+
+def init_one(name: str, module: nn.Module, init, hf, base: int = 0) -> None:
+    """One module's initialisation under the seed of its name, leaving the caller's random state as it was:
+    ``init``; else what ``from_config`` does, the module's ``reset_parameters()`` (its constructor's values)
+    then the Hugging Face model's ``_init_weights``, either one where the other is missing."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed_of(name))
+        torch.manual_seed(seed_of(name, base))
         if init is not None:
             init(name, module)
-        elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-        elif hf is not None:
-            hf(module)
-        else:
+            return
+        if not hasattr(module, "reset_parameters") and hf is None:
             raise _cannot_init(name, module)
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        if hf is not None:
+            hf(module)
 
 
 @torch.no_grad()
@@ -225,6 +241,7 @@ class InitReader:
 
     def __init__(self, model: nn.Module, device: torch.device, init=None):
         self.path = "the initialisation of the meta model"
+        init = default_init(model, init)
         self.device, self.init, self.hf = device, init, _hf_init(model)
         canonical = {id(p): n for n, p in model.named_parameters()}
         self._owner: dict[str, tuple[str, nn.Module, str]] = {}  # parameter name -> (module name, module, attr)

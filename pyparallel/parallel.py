@@ -180,8 +180,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
             stage's tensors, their TP rows / columns, and under ZeRO its DP shard of those (ZeRO-3 allocates
             no whole weight before the first step's gather). Keys and shapes are a ValueError before any
             collective.
-        init: for a meta model without ``weights``: ``init(name, module)`` (default: ``reset_parameters()``)
-            on one full-size module at a time under ``materialize.seed_of(name)``, each rank keeping its
+        init: for a meta model without ``weights``: ``init(name, module)`` (default: the model's
+            ``init_module``, else ``reset_parameters()``) on one full-size module at a time under
+            ``materialize.seed_of(name)``, each rank keeping its
             pieces: the values of the same initialisation in one process (``pyparallel.materialize``).
     """
     kwargs = dict(optimizer_kwargs)

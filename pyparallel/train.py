@@ -15,8 +15,10 @@ tokenizer of a ``--model`` folder that holds one (``tokenizer.json`` / ``tokeniz
 
 A ``--model`` folder with ``model.safetensors`` (or ``model.safetensors.index.json`` and its shards) is
 built on the meta device from its config.json and handed to ``pyparallel.parallelize(weights=folder)``:
-each rank reads only the slices it keeps, and no rank builds the whole model. A folder (or config.json)
-without weights is a random initialisation, built as before on every rank. Hugging Face models are built
+each rank reads only the slices it keeps, and no rank builds the whole model. A built-in GPT, or a folder
+(or config.json) without weights, is a random initialisation, also built on meta: each rank initialises
+one full-size module at a time under a seed of its name and ``--seed`` and keeps its slices
+(``pyparallel.materialize``), so every layout starts from the same values. Hugging Face models are built
 in fp32 (the masters; ``--dtype`` chooses the compute precision) whatever dtype the config names.
 Step k's global batch is a deterministic function of k (``pyparallel.data.batch``), so a resumed run,
 or one restarted by ``torchrun --max-restarts``, sees exactly the batches the uninterrupted run would
@@ -244,10 +246,8 @@ def encode_text(args):
 
 
 def build_model(args, vocab: int):
-    """The model, identically initialised on every rank (seeded), or on the meta device when the caller
-    builds it under ``torch.device("meta")`` (a folder's weights are then loaded by ``parallelize``).
-    ``vocab``: the largest token id + 1 that the text holds."""
-    import torch
+    """The model; ``train`` builds it under ``torch.device("meta")`` (``parallelize`` then gives each rank
+    its pieces). ``vocab``: the largest token id + 1 that the text holds."""
 
     if is_hf(args.model):
         import transformers
@@ -263,7 +263,6 @@ def build_model(args, vocab: int):
         if getattr(config, "vocab_size", vocab) < vocab:
             raise ValueError(f"{path}: vocab_size {config.vocab_size} is smaller than the text's tokens need "
                              f"({vocab})")
-        torch.manual_seed(args.seed)
         # fp32 masters whatever dtype the config names (--dtype is the compute precision).
         return transformers.AutoModelForCausalLM.from_config(config).float()
     from pyparallel.models.gpt import GPT, gpt_config
@@ -319,7 +318,7 @@ def train(args) -> dict:
     import torch
 
     import pyparallel
-    from pyparallel import checkpoint, data
+    from pyparallel import checkpoint, data, materialize
 
     mesh = pyparallel.init(dp=args.dp, tp=args.tp, pp=args.pp)
     tokens, vocab, encoding = encode_text(args)
@@ -328,15 +327,15 @@ def train(args) -> dict:
         folder, note = _node_local_resume(args, mesh), None
     else:
         folder, note = resume_folder(args.checkpoint_dir) if args.resume else (None, None)
+    # No rank builds the whole model: it is split on meta and each rank reads its slices of the folder, or
+    # initialises one full-size module at a time and keeps its slices (a preset GPT: its GPT-2 init; a
+    # config.json: as from_config does), so the values do not depend on the layout. A resumed run skips
+    # both (the checkpoint's values overwrite them).
     weights = hf_weights(args.model)
-    if weights is not None:
-        # No rank builds the whole model: it is split on meta and each rank reads its slices of the folder;
-        # a resumed run skips the folder (the default init is overwritten by the checkpoint's values).
-        with torch.device("meta"):
-            model = build_model(args, vocab)
-        weights = None if folder is not None else weights
-    else:
-        model = build_model(args, vocab).to(mesh.device)
+    with torch.device("meta"):
+        model = build_model(args, vocab)
+    weights = None if folder is not None else weights
+    init = materialize.seeded_default(model, args.seed) if weights is None and is_hf(args.model) else None
     if mesh.rank == 0 and not args.no_progress:
         print(f"pyparallel train: text as {encoding}"
               + (f"; weights streamed from {weights}" if weights else ""), file=sys.stderr, flush=True)
@@ -346,7 +345,7 @@ def train(args) -> dict:
                                 virtual_stages=2 if args.schedule == "interleaved" else 1,
                                 optimizer=torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay,
                                 clip_grad_norm=args.clip or None, offload_optimizer=args.offload,
-                                weights=weights)
+                                weights=weights, init=init)
     start = 0
     if args.resume and not node_local:
         _same_checkpoint_everywhere(mesh, args.checkpoint_dir, folder)

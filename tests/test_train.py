@@ -1,4 +1,5 @@
-"""``pyparallel train``: resume is bit-exact, a save killed half-way leaves the previous checkpoint, two
+"""``pyparallel train``: a preset GPT is built on the meta device and trains under TP, PP and ZeRO-3 with the
+losses of the whole ``GPT(cfg, seed)`` in one process; resume is bit-exact, a save killed half-way leaves the previous checkpoint, two
 torchrun "nodes" train together, and a rank killed under ``torchrun --max-restarts 1`` restarts and resumes
 from the last checkpoint with the losses of an uninterrupted run."""
 
@@ -39,6 +40,56 @@ def test_resume_is_bit_exact(tmp_path, layout):
     assert start == 3
     assert first + resumed == whole  # equal, not close: same layout, same arithmetic
     assert whole[-1] < whole[0]
+
+
+def layout_body(argv):
+    built, build = [], train_mod.build_model
+
+    def spy(*a):  # the whole model is only ever built on the meta device
+        model = build(*a)
+        built.extend({p.device.type for p in model.parameters()})
+        return model
+
+    train_mod.build_model = spy
+    try:
+        losses = train_mod.train(_args(*argv))["losses"]
+    finally:
+        train_mod.build_model = build
+    return losses, sorted(set(built))
+
+
+def one_process(argv):
+    """The same AdamW steps on ``GPT(cfg, seed)`` built whole in one process."""
+    import torch
+
+    from pyparallel import data
+
+    args = _args(*argv)
+    tokens, vocab, _ = train_mod.encode_text(args)
+    model = train_mod.build_model(args, vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    losses = []
+    for step in range(args.steps):
+        idx, tgt = data.batch(tokens, step, args.batch, args.seq, seed=args.seed)
+        loss = model(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2", "--micro-batches", "2"],
+                                    ["--dp", "2", "--zero", "3"]], ids=["tp2", "pp2", "zero3-dp2"])
+def test_a_preset_gpt_is_built_on_meta_and_trains_as_one_process(layout):
+    import torch
+
+    seed = ["--steps", "3", "--seed", "4"]
+    losses, devices = run(layout_body, 2, [*seed, *layout])[0]
+    assert devices == ["meta"]
+    want = one_process(seed)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
 
 
 def _cli(*argv, env=None, timeout=240):

@@ -87,8 +87,9 @@ class DataParallel(nn.Module):
         weights: a safetensors file or Hugging Face folder (the module's own names) that every replica loads
             whole; the module may be built on the meta device. Keys and shapes are a ValueError before any
             collective.
-        init: for a meta module without ``weights``: ``init(name, module)`` (default: ``reset_parameters()``)
-            under ``materialize.seed_of(name)``, as ``pyparallel.materialize`` documents.
+        init: for a meta module without ``weights``: ``init(name, module)`` (default: the model's
+            ``init_module``, else ``reset_parameters()``) under
+            ``materialize.seed_of(name)``, as ``pyparallel.materialize`` documents.
     """
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, bucket_cap_mb: float = 25.0, *,

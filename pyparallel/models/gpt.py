@@ -10,8 +10,11 @@ LayerNorm and an LM head tied to the token embedding. Two departures that make p
 * Head counts are derived from the layer widths at run time (width // head_dim), so a column-split
   projection that holds h/t heads needs no attribute patched.
 
-Initialisation is deterministic from ``seed`` (GPT-2's: N(0, 0.02), residual projections scaled by
-1/sqrt(2·n_layer)) and independent of the device or the number of processes.
+Initialisation is GPT-2's (N(0, 0.02), residual projections scaled by 1/sqrt(2·n_layer)), each module
+drawn from its own generator seeded by ``seed`` and the module's name (:meth:`GPT.init_module`). The values
+are therefore independent of the device, the number of processes and the order of initialisation: a GPT
+built on the meta device and materialised one module at a time on each rank (``pyparallel.materialize``
+uses ``init_module`` by default) holds exactly the slices of ``GPT(cfg, seed)`` built whole.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from pyparallel.materialize import seed_of
 
 
 @dataclass(frozen=True)
@@ -167,19 +172,39 @@ class GPT(nn.Module):
         self.head = Head(cfg)
         if cfg.tie_embeddings:
             self.head.lm_head.weight = self.embed.wte.weight
-        self.reset_parameters(seed)
+        self.seed = seed
+        if not self.embed.wte.weight.is_meta:  # on meta there is nothing to fill (materialize does it later)
+            self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Every module's :meth:`init_module`, each parameter filled by the first module that holds it (the
+        tied LM head is the token embedding's)."""
+        if seed is not None:
+            self.seed = seed
+        seen: set[int] = set()
+        for name, module in self.named_modules():
+            own = [p for p in module._parameters.values() if p is not None and id(p) not in seen]
+            seen.update(id(p) for p in own)
+            if own:
+                self.init_module(name, module)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """GPT-2's initialisation of one module's own parameters (``init(name, module)`` of
+        ``pyparallel.materialize``): biases 0, LayerNorm weights 1, other weights N(0, 0.02), the residual
+        projections (``o_proj``, ``fc_out``) N(0, 0.02 / sqrt(2·n_layer)) (Radford et al. 2019), drawn from a
+        CPU generator seeded by ``seed_of(name, seed)`` whatever the device."""
+        gen = torch.Generator().manual_seed(seed_of(name, self.seed))
+        std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith(("o_proj", "fc_out")) else 0.02
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            if attr == "bias":
                 p.zero_()
-            elif ".ln_" in name or "ln_f" in name:
+            elif isinstance(module, nn.LayerNorm):
                 p.fill_(1.0)
             else:
-                std = resid_std if name.endswith(("o_proj.weight", "fc_out.weight")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

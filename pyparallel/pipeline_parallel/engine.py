@@ -55,10 +55,10 @@ class PipelineParallel:
     meta, and each stage gives storage and values only to its own chunks' tensors: from ``weights`` (a
     safetensors file or Hugging Face folder, under the model's own names, e.g.
     ``model.layers.0.self_attn.q_proj.weight``; a weight tied across stages, the embedding and the LM head,
-    is read by each stage holding it) or, without weights, from ``init(name, module)`` (default: each
-    module's ``reset_parameters()``) under ``materialize.seed_of(name)``, as ``pyparallel.materialize``
-    documents: the values of the same initialisation in one process. Keys and shapes are checked (ValueError
-    naming the tensors) before any collective; meta buffers (rotary ``inv_freq``) are rebuilt.
+    is read by each stage holding it) or, without weights, from ``init(name, module)`` (default: the model's
+    ``init_module``, else each module's ``reset_parameters()``) under ``materialize.seed_of(name)``, as
+    ``pyparallel.materialize`` documents: the values of the same initialisation in one process. Keys and shapes
+    are checked (ValueError naming the tensors) before any collective; meta buffers (rotary ``inv_freq``) are rebuilt.
     """
 
     def __init__(self, model_or_blocks, mesh, *, schedule: str = "1f1b", num_microbatches: int | None = None,

@@ -97,11 +97,12 @@ def parallelize(model: nn.Module, mesh, plan: dict | None = None, *, sequence_pa
     this rank's shards get storage and values: from ``weights`` (a safetensors file or Hugging Face folder,
     the model's own names; each rank reads only its rows / columns of each tensor, each section of a fused
     'qkv' layer separately, through ``safe_open.get_slice``) or, without weights, by ``init(name, module)``
-    (default: each module's ``reset_parameters()``) run on one full-size module at a time under
-    ``materialize.seed_of(name)``, keeping this rank's slices: the same shards as initialising the whole model
-    in one process and splitting it. Missing, unexpected or mis-shaped tensors are a ValueError naming them
-    before anything changes. Vocabulary padding rows stay zero; meta buffers (rotary ``inv_freq``) are
-    rebuilt. ``weights`` also loads into a model with real tensors (after the split)."""
+    (default: the model's ``init_module``, else each module's ``reset_parameters()``) run on one full-size
+    module at a time under ``materialize.seed_of(name)``, keeping this rank's slices: the same shards as
+    initialising the whole model in one process and splitting it. Missing, unexpected or mis-shaped tensors
+    are a ValueError naming them before anything changes. Vocabulary padding rows stay zero; meta buffers
+    (rotary ``inv_freq``) are rebuilt. ``weights`` also loads into a model with real tensors (after the
+    split)."""
     from pyparallel import materialize
 
     reader = None  # (a model with real tensors: split as it is, and the mesh needs no device)

@@ -125,8 +125,8 @@ def setup(module: nn.Module, mesh: ParallelMesh, stage: int = 1, optimizer=torch
         weights: a safetensors file or Hugging Face checkpoint folder to load (names are the module's own);
             each rank reads only its shards' pieces. The module may be built on the meta device.
         init: for a module built on the meta device without ``weights``: ``init(name, module)`` initialises
-            one module's parameters in place (default: its ``reset_parameters()``; see
-            ``pyparallel.materialize``).
+            one module's parameters in place (default: the model's ``init_module``, else its
+            ``reset_parameters()``; see ``pyparallel.materialize``).
         nonfinite: a step whose gradients hold inf/NaN (fp32/bf16; fp16 skips them through the loss scaler):
             "raise" (default: ``NonFiniteGradientError`` naming the step and parameter group, nothing
             updated), "skip" (every rank skips the step) or "ignore" (apply it, no check).
