@@ -1,7 +1,7 @@
 """``pyparallel train``: a preset GPT is built on the meta device and trains under TP, PP and ZeRO-3 with the
-losses of the whole ``GPT(cfg, seed)`` in one process; resume is bit-exact, a save killed half-way leaves the previous checkpoint, two
-torchrun "nodes" train together, and a rank killed under ``torchrun --max-restarts 1`` restarts and resumes
-from the last checkpoint with the losses of an uninterrupted run."""
+losses of the whole ``GPT(cfg, seed)`` in one process; resume is bit-exact, a save killed half-way leaves
+the previous checkpoint, two torchrun "nodes" train together, and a rank killed under ``torchrun
+--max-restarts 1`` restarts and resumes from the last checkpoint with the losses of an uninterrupted run."""
 
 import json
 import os
