@@ -214,7 +214,9 @@ class GPT(nn.Module):
         logits = self.head(x)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        # Low precision is raised to float32 for the softmax; float64 stays float64 (as the TP loss does).
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     def num_params(self) -> int:
         """Unique parameters (the tied head counted once)."""
