@@ -82,3 +82,23 @@ def hf_model(kind: str, seed: int = 0, **config):
         return transformers.GPT2LMHeadModel(cfg)
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation
                                                          if kind == "gemma2" else "sdpa")
+
+
+def train_built_on_meta(args) -> dict:
+    """``pyparallel.train.train(args)``, asserting that it built the whole model only on the meta device."""
+    from pyparallel import train as train_mod
+
+    built, build = [], train_mod.build_model
+
+    def spy(*a):
+        model = build(*a)
+        built.extend({p.device.type for p in model.parameters()})
+        return model
+
+    train_mod.build_model = spy
+    try:
+        out = train_mod.train(args)
+    finally:
+        train_mod.build_model = build
+    assert set(built) == {"meta"}, built
+    return out

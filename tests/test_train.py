@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from dist import run
+from models import train_built_on_meta
 from torchrun import result as _result
 from torchrun import two_nodes
 
@@ -43,19 +44,7 @@ def test_resume_is_bit_exact(tmp_path, layout):
 
 
 def layout_body(argv):
-    built, build = [], train_mod.build_model
-
-    def spy(*a):  # the whole model is only ever built on the meta device
-        model = build(*a)
-        built.extend({p.device.type for p in model.parameters()})
-        return model
-
-    train_mod.build_model = spy
-    try:
-        losses = train_mod.train(_args(*argv))["losses"]
-    finally:
-        train_mod.build_model = build
-    return losses, sorted(set(built))
+    return train_built_on_meta(_args(*argv))["losses"]
 
 
 def one_process(argv):
@@ -86,8 +75,7 @@ def test_a_preset_gpt_is_built_on_meta_and_trains_as_one_process(layout):
     import torch
 
     seed = ["--steps", "3", "--seed", "4"]
-    losses, devices = run(layout_body, 2, [*seed, *layout])[0]
-    assert devices == ["meta"]
+    losses = run(layout_body, 2, [*seed, *layout])[0]  # asserts that no rank built the model off meta
     want = one_process(seed)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist import run
-from models import hf_config
+from models import hf_config, train_built_on_meta
 
 from pyparallel import data
 from pyparallel import train as train_mod
@@ -63,20 +63,7 @@ def reference(folder, steps: int):
 def fine_tune_body(folder, root, layout):
     args = train_mod.build_parser().parse_args([*STEPS, "--model", folder, *layout, "--checkpoint-dir",
                                                 os.path.join(root, "ckpt"), "--export", os.path.join(root, "out")])
-    built, build = [], train_mod.build_model
-
-    def spy(*a):  # the whole model is only ever built on the meta device
-        model = build(*a)
-        built.extend({p.device.type for p in model.parameters()})
-        return model
-
-    train_mod.build_model = spy
-    try:
-        losses = train_mod.train(args)["losses"]
-    finally:
-        train_mod.build_model = build
-    assert set(built) == {"meta"}, built
-    return losses
+    return train_built_on_meta(args)["losses"]  # the whole model is only ever built on the meta device
 
 
 LAYOUTS = {"tp2": ["--tp", "2"], "zero3-dp2": ["--dp", "2", "--zero", "3"],
