@@ -329,8 +329,8 @@ def train(args) -> dict:
         folder, note = resume_folder(args.checkpoint_dir) if args.resume else (None, None)
     # No rank builds the whole model: it is split on meta and each rank reads its slices of the folder, or
     # initialises one full-size module at a time and keeps its slices (a preset GPT: its GPT-2 init; a
-    # config.json: as from_config does), so the values do not depend on the layout. A resumed run skips
-    # both (the checkpoint's values overwrite them).
+    # config.json: as from_config does), so the values do not depend on the layout. A resumed run skips the
+    # folder: the default init's values are overwritten by the checkpoint's.
     weights = hf_weights(args.model)
     with torch.device("meta"):
         model = build_model(args, vocab)
