@@ -2,7 +2,8 @@
 encodes the text, each rank streams its slices of the safetensors (the model is built on meta), and the
 losses and the exported folder equal the same AdamW steps on ``from_pretrained`` in one process -- under
 TP (an odd vocabulary, padded), ZeRO-3 and PP; a resumed run continues from its checkpoint without the
-folder; a folder with only pickled weights is refused before any process starts."""
+folder; a folder with only pickled weights is refused before any process starts; and a config.json alone
+(random init, LLaMA and GPT-2's tied head) trains as the same seeded model in one process in every layout."""
 
 import json
 import os
@@ -142,3 +143,56 @@ def test_pickled_weights_and_mismatched_folders_are_refused_before_spawning(tmp_
             os.symlink(os.path.join(folder, f), small / f)
     assert train_mod.main([*STEPS, "--model", str(small)]) == 2
     assert "vocab_size 200 is smaller than the text's tokens need" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ a config.json alone: random init
+# No weights: every rank initialises one full-size module at a time under the seed of its name (what
+# from_config does, reset_parameters then _init_weights) and keeps its slices, so the model -- and the
+# losses -- must not depend on the layout. GPT-2 ties its LM head to the embedding (across the stages under
+# PP); both vocabularies are odd, so TP pads them.
+CONFIGS = {"llama": dict(vocab=301), "gpt2": dict(vocab=259)}
+
+
+def write_config(root, kind: str) -> str:
+    path = os.path.join(root, f"{kind}.json")
+    hf_config(kind, hidden=32, heads=4, kv_heads=2, **CONFIGS[kind]).to_json_file(path)
+    return path
+
+
+def config_reference(path: str, steps: int):
+    """One process: the whole model built on meta, initialised by the same seeded default init, the same
+    batches and AdamW as train."""
+    import transformers
+
+    from pyparallel import materialize
+
+    args = train_mod.build_parser().parse_args([*STEPS, "--model", path])
+    tokens, _, _ = train_mod.encode_text(args)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path)).float()
+    materialize.initialize(model, torch.device("cpu"), init=materialize.seeded_default(model, args.seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    losses = []
+    for step in range(steps):
+        idx, tgt = data.batch(tokens, step, args.batch, args.seq, seed=args.seed)
+        loss = F.cross_entropy(model(idx).logits.flatten(0, 1), tgt.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def config_body(path, layout):
+    args = train_mod.build_parser().parse_args([*STEPS, "--model", path, *layout])
+    return train_built_on_meta(args)["losses"]
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_config_alone_trains_as_one_process_in_every_layout(tmp_path, kind, layout):
+    path = write_config(str(tmp_path), kind)
+    want = config_reference(path, 3)
+    losses = run(config_body, 2, path, LAYOUTS[layout])[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
