@@ -85,6 +85,8 @@ class Group:
     arena: object = field(default=None, repr=False)
     # gloo receives, waited for in posting order by a helper thread (_ReceiveWaiter): None until the first.
     receive_waiter: object = field(default=None, repr=False)
+    # A two-rank group's point-to-point messages through shared memory (shm.Channel): as ``arena``.
+    channel: object = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -530,17 +532,20 @@ def _shm_wanted(group: Group) -> bool:
     return _ops.has_kernel("shm_wait", torch.device("cpu"))
 
 
-def _open_arena(group: Group):
+def _open_arena(group: Group, create=None, attach=None):
     """Create the group's mapping (group rank 0), map it everywhere, agree that every rank did, unlink it.
-    Two small collectives over the group, on every rank at the same point of the program."""
+    Two small collectives over the group, on every rank at the same point of the program. ``create()`` /
+    ``attach(path)``: another kind of mapping than the collectives' arena (a point-to-point channel)."""
     n = group.size
     capacity = shm.region_bytes(n)
-    name = [shm.create(n, capacity) if group.rank == 0 else None]
+    create = create or (lambda: shm.create(n, capacity))
+    attach = attach or (lambda path: shm.Arena(path, n, group.rank, capacity))
+    name = [create() if group.rank == 0 else None]
     dist.broadcast_object_list(name, src=group.ranks[0], group=group.pg)
     arena = None
     if name[0] is not None:
         try:
-            arena = shm.Arena(name[0], n, group.rank, capacity)
+            arena = attach(name[0])
         except (OSError, ValueError):
             arena = None
     ok = torch.tensor([1 if arena is not None else 0], dtype=torch.int32)
@@ -764,20 +769,94 @@ def all_gather_object(obj, group: Group) -> list:
 def send(tensor: torch.Tensor, dst: int, group: Group, async_op: bool = False):
     """Send to group rank ``dst``."""
     nbytes = tensor.numel() * tensor.element_size()
-    return _p2p("send", group, nbytes, lambda: dist.isend(tensor, group.ranks[dst], group=group.pg), async_op)
+    return _p2p("send", group, nbytes, lambda: dist.isend(tensor, group.ranks[dst], group=group.pg), async_op,
+                tensor)
 
 
 def recv(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False):
     """Receive from group rank ``src`` into ``tensor``."""
     nbytes = tensor.numel() * tensor.element_size()
-    return _p2p("recv", group, nbytes, lambda: dist.irecv(tensor, group.ranks[src], group=group.pg), async_op)
+    return _p2p("recv", group, nbytes, lambda: dist.irecv(tensor, group.ranks[src], group=group.pg), async_op,
+                tensor)
 
 
-def _p2p(op: str, group: Group, nbytes: int, issue, async_op: bool):
+def _channel_for(group: Group, tensor: torch.Tensor):
+    """The two-rank group's shared-memory channel if its point-to-point messages take that path, else None.
+    The first send or receive of such a group on each rank opens it (a rendezvous of the two ranks, at the
+    first message between them, which the two ranks reach in the same order as every later one)."""
+    if group.channel is False or group.size != 2 or tensor.device.type != "cpu":
+        return None
+    if group.channel is None:
+        if not _shm_wanted(group):
+            group.channel = False
+            return None
+        capacity = shm.slot_bytes()
+        group.channel = _open_arena(group, lambda: shm.create_channel(capacity),
+                                    lambda path: shm.Channel(path, group.rank, capacity))
+    return group.channel or None
+
+
+def _p2p_stall(op: str, group: Group):
+    """What a point-to-point wait through shared memory does while the peer is behind (see _on_stall)."""
+    seq, peer = group.seq, group.ranks[1 - group.rank]
+
+    def stalled(_late: int, waited_s: float) -> None:
+        where = _describe(op, group, seq)
+        if _gone(group):
+            raise CollectiveError(f"pyparallel: {where} failed: lost a peer: {_blame_peers(group)}")
+        if waited_s >= group.timeout_s:
+            what = ("the receiver did not take the earlier messages" if op == "send"
+                    else "the sender never sent it")
+            raise CollectiveTimeoutError(
+                f"pyparallel: {where} did not complete within {group.timeout_s:g} s: {what} (global rank {peer} "
+                f"is behind; same-host shared-memory transport). Check that both ranks exchange the same "
+                f"messages in the same order.")
+
+    return stalled
+
+
+class _ChannelHandle(Handle):
+    """A send or receive through a group's shared-memory channel (``shm.Channel``)."""
+
+    def __init__(self, channel, msg, op: str, group: Group, seq: int, on_stall):
+        super().__init__(None, op, group, seq)
+        self._channel, self._msg, self._on_stall = channel, msg, on_stall
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._op == "recv":
+            try:
+                self._channel.complete(self._msg, self._on_stall)
+            except shm.MessageMismatch as exc:
+                peer = self._group.ranks[1 - self._group.rank]
+                raise CollectiveMismatchError(
+                    f"pyparallel: {_describe(self._op, self._group, self._seq)} failed: {exc} (global rank "
+                    f"{peer}): the two ranks' messages differ in size or order") from None
+        else:
+            self._channel.wait_sent(self._msg)
+        self._done = True
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        return self._channel.arrived(self._msg) if self._op == "recv" else self._channel.sent(self._msg)
+
+
+def _p2p(op: str, group: Group, nbytes: int, issue, async_op: bool, tensor: torch.Tensor | None = None):
     _open(op, group)
+    channel = _channel_for(group, tensor) if tensor is not None else None
     group.seq += 1
     seq = group.seq
     _account(op, group, nbytes)
+    if channel is not None:
+        stall = _p2p_stall(op, group)
+        msg = channel.recv(tensor) if op == "recv" else channel.send(tensor, stall)
+        handle = _ChannelHandle(channel, msg, op, group, seq, stall)
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
     try:
         work = issue()
     except Exception as exc:

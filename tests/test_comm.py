@@ -196,11 +196,64 @@ def receive_arrival_body():
     return seen and torch.equal(buf, torch.arange(5.0))
 
 
-def test_a_receive_reports_its_arrival_without_being_waited_for():
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_receive_reports_its_arrival_without_being_waited_for(transport):
     """An async receive says it has completed once its message is there, before anyone calls wait(): the
     pipeline runs a deferred W instead of blocking only while a message is missing (gloo itself marks a
     receive complete only inside wait(), so comm.py has a thread wait for it)."""
-    assert run(receive_arrival_body, 2) == [True, True]
+    assert run(receive_arrival_body, 2, env={"PYPARALLEL_SHM": "1" if transport == "shm" else "0"}) == [True, True]
+
+
+def _message(k: int, sender: int):
+    """Message k from ``sender``: dtypes, shapes and sizes that cover the channel's cases -- empty, one
+    element, an odd tail, several slots, more than the whole ring (so its sender's writer thread finishes
+    it while the receiver copies out), a 0-d tensor, bool."""
+    slot = shm.slot_bytes()
+    sizes = [0, 1, 1001, slot // 4 + 3, 3 * slot // 4 + 5, (shm.SLOTS + 2) * slot // 4 + 7]
+    dtype = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float64][k % 5]
+    n = sizes[k % len(sizes)]
+    if dtype == torch.bool:
+        return (torch.arange(n) % (3 + sender) == 0).view(-1)
+    if k % 7 == 6:
+        return torch.tensor(float(k + sender), dtype=dtype)  # 0-d
+    return (torch.arange(n) * (sender + 1) + k).to(dtype)
+
+
+def p2p_body(messages: int):
+    """Both ranks of a two-rank group send each other ``messages`` messages at once, every send issued
+    before any receive is waited for (a full ring must not block a send), some into non-contiguous
+    buffers; the ranks then receive them in order and compare."""
+    mesh = pyparallel.init()
+    g = mesh.world_group
+    peer = 1 - g.rank
+    sends = []
+    for k in range(messages):
+        t = _message(k, g.rank)
+        if k % 4 == 3 and t.dim() == 1 and t.numel() > 1:
+            t = torch.stack([t, t]).t()[:, 0]  # a non-contiguous send
+        sends.append((t, comm.send(t, peer, g, async_op=True)))
+    for k in range(messages):
+        want = _message(k, peer)
+        if k % 4 == 1 and want.dim() == 1 and want.numel() > 1:
+            holder = torch.zeros(2, want.numel(), dtype=want.dtype)
+            buf = holder.t()[:, 1]  # a non-contiguous receive buffer
+        else:
+            buf = torch.zeros_like(want)
+        h = comm.recv(buf, peer, g, async_op=k % 2 == 0)
+        if h is not None:
+            h.wait()
+        assert torch.equal(buf, want), f"message {k}: {buf} != {want}"
+    for _, h in sends:
+        h.wait()
+        assert h.is_completed()
+    comm.barrier(g)
+    return g.channel not in (None, False)
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_point_to_point_in_order_without_blocking_a_send(transport):
+    env = {"PYPARALLEL_SHM": "1" if transport == "shm" else "0"}
+    assert run(p2p_body, 2, 30, env=env) == [transport == "shm"] * 2
 
 
 @pytest.mark.skipif(not _ops.has_kernel("shm_wait", torch.device("cpu")), reason="extension not built")

@@ -77,6 +77,52 @@ def test_skipped_collective_times_out_with_a_named_error(op, transport):
     assert waited < 30  # bounded by the group's timeout, not the 300 s default
 
 
+def p2p_timeout_body(timeout_s):
+    """Rank 0 sends rank 1 a message larger than the shared-memory ring that rank 1 never takes; then rank 0
+    waits for a message rank 1 never sends. Each must end on rank 0 with a named error at the group's
+    timeout. Last, a receive whose buffer is smaller than the message sent is refused on the receiver."""
+    from pyparallel import shm
+
+    mesh = pyparallel.init(timeout_s=timeout_s)
+    g = mesh.world_group
+    comm.send(torch.ones(1), 1 - g.rank, g)  # both ways once: opens the channel
+    comm.recv(torch.ones(1), 1 - g.rank, g)
+    out = []
+    if g.rank == 0:
+        big = torch.ones((shm.SLOTS + 1) * shm.slot_bytes() // 4)
+        h = comm.send(big, 1, g, async_op=True)  # returns at once: the writer thread holds the rest
+        assert not h.is_completed()
+        for wait in (h.wait, lambda: comm.recv(torch.empty(3), 1, g)):
+            start = time.monotonic()
+            with pytest.raises(pyparallel.CollectiveTimeoutError) as info:
+                wait()
+            out.append((str(info.value), time.monotonic() - start))
+    else:
+        time.sleep(2 * timeout_s + 2)
+    comm.barrier(g)
+    if g.rank == 1:  # 1 -> 0 is still in step: send 5 elements where the peer expects 3
+        comm.send(torch.ones(5), 0, g)
+    else:
+        with pytest.raises(pyparallel.CollectiveMismatchError) as info:
+            comm.recv(torch.empty(3), 1, g)
+        out.append((str(info.value), 0.0))
+    comm.barrier(g)
+    return out, g.channel not in (None, False)
+
+
+def test_a_point_to_point_message_never_taken_or_never_sent_times_out_with_a_named_error():
+    (out, shm0), (_, shm1) = run(p2p_timeout_body, 2, 3.0, env={"PYPARALLEL_SHM": "1"}, fresh_after=True)
+    assert shm0 and shm1
+    (send_msg, send_waited), (recv_msg, recv_waited), (mismatch, _) = out
+    assert "send on group 'world'" in send_msg and "the receiver did not take the earlier messages" in send_msg
+    assert "global rank 1 is behind" in send_msg and "did not complete within 3 s" in send_msg
+    assert "recv on group 'world'" in recv_msg and "the sender never sent it" in recv_msg
+    assert "global rank 1 is behind" in recv_msg
+    assert 2.5 < send_waited < 30 and 2.5 < recv_waited < 30
+    assert "recv on group 'world'" in mismatch and "a receive of 12 bytes met a message of 20 bytes" in mismatch
+    assert "global rank 1" in mismatch
+
+
 def bad_degrees_body():
     with pytest.raises(ValueError) as info:
         pyparallel.init(dp=3, tp=2)
