@@ -7,6 +7,7 @@ first use, a failed build: pyparallel/_jit.py) or the device has no kernel, in w
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 
@@ -127,13 +128,14 @@ def gelu_linear_backward_reference(grad_out, z, bias, weight, approximate, outpu
     """Plain-torch twin of the backward kernel: (grad_z, grad_bias, grad_weight) from z alone."""
     zb = z if bias is None else z + bias
     act = torch.nn.functional.gelu(zb, approximate=approximate)
-    gy = grad_out.reshape(-1, weight.shape[0])
+    rows = math.prod(z.shape[:-1])  # not reshape(-1, ..): defined when a dimension is 0
+    gy = grad_out.reshape(rows, weight.shape[0])
     empty = z.new_empty(0)
-    dw = gy.t() @ act.reshape(-1, z.shape[-1]) if output_mask[2] else empty  # [N, M] @ [M, K]
+    dw = gy.t() @ act.reshape(rows, z.shape[-1]) if output_mask[2] else empty  # [N, M] @ [M, K]
     dz = db = empty
     if output_mask[0] or output_mask[1]:
         dz = torch.ops.aten.gelu_backward(grad_out @ weight, zb, approximate=approximate)  # [.., N] @ [N, K]
-        db = dz.reshape(-1, z.shape[-1]).sum(0) if output_mask[1] and bias is not None else empty
+        db = dz.reshape(rows, z.shape[-1]).sum(0) if output_mask[1] and bias is not None else empty
     return (dz if output_mask[0] else empty), db, dw
 
 

@@ -137,6 +137,24 @@ def test_fallback_recomputes_too():
         close(a, e)
 
 
+EMPTY = [((0,), 5, 3), ((2, 0), 4, 6), ((3,), 0, 4), ((3,), 4, 0), ((0, 2), 0, 0)]  # no rows / K = 0 / N = 0
+
+
+def _empty_case(shape, device):
+    z, b, w, g = _inputs(*shape, torch.float32, device=device)
+    got, want = _fused(z, b, w, g, "tanh"), _reference(z, b, w, g, "tanh")
+    for name, a, e in zip(["y", "dz", "db", "dw"], got, want):
+        assert a.shape == e.shape, name
+        close(a, e, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("shape", EMPTY, ids=str)
+def test_empty_dimensions(shape, backward_path):
+    """Zero rows, a zero-width input (a shard with no columns) or no outputs: the reference's shapes and
+    values (zeros where a sum is empty), not an error."""
+    _empty_case(shape, "cpu")
+
+
 def test_bad_input_raises():
     z, b, w, _ = _inputs((3,), 8, 4, torch.float32)
     with pytest.raises(ValueError, match="approximate"):
@@ -180,6 +198,12 @@ def test_parallel_mlp_saves_only_z():
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run benchmarks/gpu_check.sh)")
 CUDA_SHAPES = SHAPES + [((4, 257), 1600, 400), ((3, 100), 96, 1000)]
+
+
+@cuda
+@pytest.mark.parametrize("shape", EMPTY, ids=str)
+def test_cuda_empty_dimensions(shape):
+    _empty_case(shape, "cuda")
 
 
 @cuda

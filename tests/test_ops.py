@@ -6,13 +6,61 @@ import torch
 from pyparallel import _ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64]
+# Every element size the copies choose their kernel by (1, 2, 4, 8, 16 bytes), in dtypes a model's buffers
+# may have (a complex rotary table, float8 scales, masks).
+BYTE_DTYPES = [torch.bool, torch.uint8, torch.float8_e4m3fn, torch.int16, torch.complex64, torch.complex128]
 SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 7), (0,), (1031,), (257, 129)]
 
 
 def _random(shape, dtype, gen):
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=gen)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen).to(dtype)
-    return torch.randint(-1000, 1000, shape, generator=gen).to(dtype)
+    return torch.randint(0 if dtype == torch.uint8 else -1000, 250, shape, generator=gen).to(dtype)
+
+
+def _bits(t):
+    """The tensor's bytes (float8 has no torch.equal)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _copies_round_trip(device, dtype):
+    assert _ops.has_kernel("flatten_into", torch.device(device))  # loads the extension
+    gen = torch.Generator().manual_seed(4)
+    tensors = [_random(s, dtype, gen).to(device) for s in SHAPES]
+    total = sum(t.numel() for t in tensors)
+    out = torch.zeros(total + 3, dtype=dtype, device=device)
+    tail = _bits(out[total:]).clone()
+    torch.ops.pyparallel.flatten_into(tensors, out)
+    assert torch.equal(_bits(out[:total]), torch.cat([_bits(t) for t in tensors]))
+    assert torch.equal(_bits(out[total:]), tail)
+    outs = [torch.empty_like(t) for t in tensors]
+    torch.ops.pyparallel.unflatten_from(out, outs)
+    for a, t in zip(outs, tensors):
+        assert torch.equal(_bits(a), _bits(t))
+
+
+@pytest.mark.parametrize("dtype", BYTE_DTYPES)
+def test_flatten_moves_the_bits_of_every_dtype(dtype):
+    _copies_round_trip("cpu", dtype)
+
+
+def test_conjugate_and_negative_views_are_copied_as_their_values():
+    assert _ops.has_kernel("flatten_into", torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(7, dtype=torch.complex64, generator=gen)
+    views = [z.conj(), torch.randn(5, dtype=torch.complex64, generator=gen).conj().imag]  # a conj, a neg view
+    assert views[0].is_conj() and views[1].is_neg()
+    out = torch.empty(12, dtype=torch.complex64)
+    torch.ops.pyparallel.flatten_into([views[0], views[1].to(torch.complex64)], out)
+    assert torch.equal(out[:7], z.conj().resolve_conj())
+    neg = views[1]
+    flat = torch.empty(5)
+    torch.ops.pyparallel.flatten_into([neg], flat)
+    assert torch.equal(flat, neg.resolve_neg())
 
 
 def test_extension_is_built():
@@ -70,6 +118,12 @@ def test_too_small_buffer_is_an_error():
         _ops.flatten_into([torch.zeros(10)], torch.zeros(9))
     with pytest.raises(RuntimeError, match="flat buffer only 9"):
         torch.ops.pyparallel.flatten_into([torch.zeros(10)], torch.zeros(9))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run by benchmarks/gpu_check.sh)")
+@pytest.mark.parametrize("dtype", BYTE_DTYPES)
+def test_cuda_flatten_moves_the_bits_of_every_dtype(dtype):
+    _copies_round_trip("cuda", dtype)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run by benchmarks/gpu_check.sh)")

@@ -48,9 +48,12 @@ void parallel_spans(const std::vector<Span>& spans, F&& copy_range) {
 
 bool fast_path(at::TensorList tensors, const at::Tensor& flat) {
   for (const auto& t : tensors) {
-    if (!t.is_contiguous() || t.scalar_type() != flat.scalar_type() || t.device() != flat.device()) return false;
+    // A conjugate or negative view's bits are not its values: copy_ resolves them.
+    if (!t.is_contiguous() || t.scalar_type() != flat.scalar_type() || t.device() != flat.device() || t.is_conj() ||
+        t.is_neg())
+      return false;
   }
-  return flat.is_contiguous();
+  return flat.is_contiguous() && !flat.is_conj() && !flat.is_neg();
 }
 
 void flatten_into_cpu(at::TensorList tensors, const at::Tensor& out) {

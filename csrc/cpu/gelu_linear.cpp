@@ -280,7 +280,7 @@ at::Tensor gelu_linear_cpu(const at::Tensor& z, const std::optional<at::Tensor>&
   check_inputs(z, bias, weight, op);
   const bool tanh_form = parse_approximate(approximate, op);
   const int64_t k = z.size(-1), n = weight.size(0);
-  auto z2 = z.reshape({-1, k}).contiguous();
+  auto z2 = z.reshape({leading_rows(z), k}).contiguous();
   auto w = weight.contiguous();
   auto out_shape = z.sizes().vec();
   out_shape.back() = n;
@@ -435,12 +435,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_linear_backward_cpu(
   check_inputs(z, bias, weight, op);
   const bool tanh_form = parse_approximate(approximate, op);
   const int64_t k = z.size(-1), n = weight.size(0);
-  PP_CHECK(grad_out.size(-1) == n && grad_out.numel() == z.numel() / std::max<int64_t>(k, 1) * n, op,
-           "grad_out has shape ", grad_out.sizes(), ", expected z's leading dimensions and ", n);
+  PP_CHECK(grad_out.size(-1) == n && leading_rows(grad_out) == leading_rows(z), op, "grad_out has shape ",
+           grad_out.sizes(), ", expected z's leading dimensions and ", n);
   const bool has_bias = bias.has_value() && bias->defined();
   std::array<bool, 3> mask = {output_mask[0], output_mask[1] && has_bias, output_mask[2]};
-  auto z2 = z.reshape({-1, k}).contiguous();
-  auto gy = grad_out.reshape({-1, n}).to(z.scalar_type()).contiguous();
+  auto z2 = z.reshape({leading_rows(z), k}).contiguous();
+  auto gy = grad_out.reshape({leading_rows(z), n}).to(z.scalar_type()).contiguous();
   auto w = weight.contiguous();
   Grads g;
   // Outputs a caller did not ask for are returned empty (shape [0]) rather than undefined.
@@ -448,7 +448,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_linear_backward_cpu(
   g.db = mask[1] ? at::empty({k}, z.options()) : at::empty({0}, z.options());
   g.dw = mask[2] ? at::empty({n, k}, z.options()) : at::empty({0}, z.options());
   // The kernel writes dZ into a contiguous [M, K] buffer even when only db is wanted.
-  at::Tensor dz_full = mask[0] ? g.dz.view({-1, k}) : at::empty({mask[1] ? z2.size(0) : 0, k}, z.options());
+  at::Tensor dz_full = mask[0] ? g.dz.view({z2.size(0), k}) : at::empty({mask[1] ? z2.size(0) : 0, k}, z.options());
   Grads work{dz_full, g.db, g.dw};
   if (z2.size(0) == 0 || k == 0) {
     if (mask[0]) g.dz.zero_();

@@ -3,11 +3,12 @@
 // async copy on the current stream, and each block walks its share of the concatenation.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "pyparallel/checks.h"
@@ -17,6 +18,10 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kChunk = kThreads * 16;  // elements per block
+
+struct alignas(16) Word16 {  // complex128's 16 bytes, copied as one
+  uint64_t lo, hi;
+};
 
 struct Entry {
   int64_t ptr;     // address of the tensor's first element
@@ -52,10 +57,13 @@ void multi_copy(at::TensorList tensors, const at::Tensor& flat, const char* op) 
   bool fast = true;
   int64_t total = 0;
   for (const auto& t : tensors) {
-    fast = fast && t.is_contiguous() && t.scalar_type() == flat.scalar_type() && t.device() == flat.device();
+    // A conjugate or negative view's bits are not its values: copy_ resolves them.
+    fast = fast && t.is_contiguous() && t.scalar_type() == flat.scalar_type() && t.device() == flat.device() &&
+           !t.is_conj() && !t.is_neg();
     total += t.numel();
   }
   PP_CHECK(total <= flat.numel(), op, "tensors hold ", total, " elements but the flat buffer only ", flat.numel());
+  fast = fast && !flat.is_conj() && !flat.is_neg();
   if (!fast || tensors.empty() || total == 0) {  // casts and strided views: let copy_ handle them
     int64_t off = 0;
     for (const auto& t : tensors) {
@@ -91,10 +99,21 @@ void multi_copy(at::TensorList tensors, const at::Tensor& flat, const char* op) 
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto* d_table = reinterpret_cast<const Entry*>(dev.data_ptr());
   const auto* d_first = reinterpret_cast<const int32_t*>(static_cast<char*>(dev.data_ptr()) + table_bytes);
-  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, flat.scalar_type(), "pyparallel_multi_copy", [&] {
-    multi_copy_kernel<scalar_t, kToFlat><<<n_blocks, kThreads, 0, stream>>>(
-        d_table, d_first, static_cast<int32_t>(table.size()), flat.data_ptr<scalar_t>());
-  });
+  // A copy moves bits, so the kernel is chosen by element size, not dtype: every dtype the CPU kernel takes
+  // (complex, float8, unsigned, bool) works here too.
+  const auto launch = [&](auto word) {
+    using W = decltype(word);
+    multi_copy_kernel<W, kToFlat><<<n_blocks, kThreads, 0, stream>>>(
+        d_table, d_first, static_cast<int32_t>(table.size()), static_cast<W*>(flat.data_ptr()));
+  };
+  switch (flat.element_size()) {
+    case 1: launch(uint8_t{}); break;
+    case 2: launch(uint16_t{}); break;
+    case 4: launch(uint32_t{}); break;
+    case 8: launch(uint64_t{}); break;
+    case 16: launch(Word16{}); break;
+    default: PP_CHECK(false, op, "unsupported element size ", flat.element_size(), " (", flat.scalar_type(), ")");
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -238,7 +238,7 @@ at::Tensor gelu_linear_cuda(const at::Tensor& z, const std::optional<at::Tensor>
   const bool tanh_form = parse_approximate(approximate, op);
   c10::cuda::CUDAGuard guard(z.device());
   const int64_t K = z.size(-1), N = weight.size(0);
-  auto z2 = z.reshape({-1, K}).contiguous();
+  auto z2 = z.reshape({leading_rows(z), K}).contiguous();
   auto w = weight.contiguous();
   at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
   const int64_t M = z2.size(0);
@@ -274,12 +274,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_linear_backward_cuda(
   const bool tanh_form = parse_approximate(approximate, op);
   c10::cuda::CUDAGuard guard(z.device());
   const int64_t K = z.size(-1), N = weight.size(0);
-  PP_CHECK(grad_out.size(-1) == N && grad_out.numel() == z.numel() / std::max<int64_t>(K, 1) * N, op,
-           "grad_out has shape ", grad_out.sizes(), ", expected z's leading dimensions and ", N);
+  PP_CHECK(grad_out.size(-1) == N && leading_rows(grad_out) == leading_rows(z), op, "grad_out has shape ",
+           grad_out.sizes(), ", expected z's leading dimensions and ", N);
   const bool has_bias = bias.has_value() && bias->defined();
   const bool want_dz = output_mask[0], want_db = output_mask[1] && has_bias, want_dw = output_mask[2];
-  auto z2 = z.reshape({-1, K}).contiguous();
-  auto gy = grad_out.reshape({-1, N}).to(z.scalar_type()).contiguous();
+  auto z2 = z.reshape({leading_rows(z), K}).contiguous();
+  auto gy = grad_out.reshape({leading_rows(z), N}).to(z.scalar_type()).contiguous();
   auto w = weight.contiguous();
   at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();
   const int64_t M = z2.size(0), total = M * K;

@@ -18,6 +18,14 @@ inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const ch
   PP_CHECK(a.device() == b.device(), op, "tensors on different devices: ", a.device(), " and ", b.device());
 }
 
+// Rows of ``t`` seen as a [rows, t.size(-1)] matrix: the product of its leading dimensions. Unlike
+// reshape({-1, k}), this is defined when the last dimension is 0.
+inline int64_t leading_rows(const at::Tensor& t) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  return rows;
+}
+
 // Sum of numels, checked against the flat buffer's size.
 inline int64_t total_numel(at::TensorList tensors) {
   int64_t n = 0;
