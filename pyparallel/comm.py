@@ -782,8 +782,10 @@ def recv(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False):
 
 def _channel_for(group: Group, tensor: torch.Tensor):
     """The two-rank group's shared-memory channel if its point-to-point messages take that path, else None.
-    The first send or receive of such a group on each rank opens it (a rendezvous of the two ranks, at the
-    first message between them, which the two ranks reach in the same order as every later one)."""
+    The first send or receive of the group on each rank opens it: two small collectives over the group, so
+    that first call returns only once the peer has made its own first send or receive on the group (the
+    pipeline exchanges a blocking ping on each link as soon as it creates it; every later send is
+    asynchronous)."""
     if group.channel is False or group.size != 2 or tensor.device.type != "cpu":
         return None
     if group.channel is None:

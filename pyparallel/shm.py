@@ -1,5 +1,6 @@
 """Collectives between the ranks of one host through shared memory: the transport under ``comm.py`` for gloo
-groups whose ranks all run on this machine.
+groups whose ranks all run on this machine. Point-to-point messages of two-rank groups (the pipeline's
+links) have a transport of their own at the end of this file (``Channel``).
 
 Why: gloo moves every byte through loopback TCP (a copy into the kernel, a copy out, a thread hop on each
 side), and each of its collectives pays that per message: on the development machine a 3.5 MB
