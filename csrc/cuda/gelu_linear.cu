@@ -146,6 +146,10 @@ __global__ void __launch_bounds__(kThreads) gelu_linear_wmma_kernel(const T* __r
       __syncwarp();
     }
   }
+#elif defined(__CUDA_ARCH__)
+  // Only code for an architecture below sm_80 (PTX JIT-compiled for a newer device) reaches this: the host
+  // chose this kernel by the device's capability, so fail the launch rather than leave y unwritten.
+  __trap();
 #endif
 }
 
