@@ -41,13 +41,9 @@ def make_folder(root) -> str:
     return folder
 
 
-def reference(folder, steps: int):
-    """One process: from_pretrained, the same batches and AdamW (clip 1.0, weight decay 0.1) as train."""
-    import transformers
-
-    args = train_mod.build_parser().parse_args([*STEPS, "--model", folder])
+def train_like_train(model, args, steps: int) -> list[float]:
+    """The AdamW steps ``train`` takes (clip 1.0, weight decay 0.1), on the same batches, in one process."""
     tokens, _, _ = train_mod.encode_text(args)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     losses = []
     for step in range(steps):
@@ -58,6 +54,16 @@ def reference(folder, steps: int):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def reference(folder, steps: int):
+    """One process: from_pretrained, the same batches and AdamW (clip 1.0, weight decay 0.1) as train."""
+    import transformers
+
+    args = train_mod.build_parser().parse_args([*STEPS, "--model", folder])
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    losses = train_like_train(model, args, steps)
     return losses, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
@@ -167,21 +173,10 @@ def config_reference(path: str, steps: int):
     from pyparallel import materialize
 
     args = train_mod.build_parser().parse_args([*STEPS, "--model", path])
-    tokens, _, _ = train_mod.encode_text(args)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path)).float()
     materialize.initialize(model, torch.device("cpu"), init=materialize.seeded_default(model, args.seed))
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    losses = []
-    for step in range(steps):
-        idx, tgt = data.batch(tokens, step, args.batch, args.seq, seed=args.seed)
-        loss = F.cross_entropy(model(idx).logits.flatten(0, 1), tgt.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_like_train(model, args, steps)
 
 
 def config_body(path, layout):
