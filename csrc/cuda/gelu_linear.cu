@@ -251,8 +251,10 @@ at::Tensor gelu_linear_cuda(const at::Tensor& z, const std::optional<at::Tensor>
   auto y = at::empty({M, N}, z.options());
   if (M == 0 || N == 0) return y.view(out_shape);
   if (K == 0) return y.zero_().view(out_shape);
-  PP_CHECK((M + kSB - 1) / kSB <= 65535, op, M, " rows exceed the kernel's grid (at most ", 65535LL * kSB, ")");
   const bool tensor_cores = at::cuda::getCurrentDeviceProperties()->major >= 8;
+  const bool use_wmma = tensor_cores && (z.scalar_type() == at::kBFloat16 || z.scalar_type() == at::kHalf);
+  const int64_t tile = use_wmma ? kBM : kSB;  // rows per block of the kernel that runs (grid.y <= 65535)
+  PP_CHECK((M + tile - 1) / tile <= 65535, op, M, " rows exceed the kernel's grid (at most ", 65535LL * tile, ")");
   if (tensor_cores && z.scalar_type() == at::kBFloat16) {
     launch_wmma<__nv_bfloat16, at::BFloat16>(z2, b, w, y, tanh_form);
   } else if (tensor_cores && z.scalar_type() == at::kHalf) {
