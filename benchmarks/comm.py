@@ -27,7 +27,6 @@ from common import median, table, write_json  # noqa: E402
 import pyparallel  # noqa: E402
 from pyparallel import comm  # noqa: E402
 
-
 ROUND_TRIPS = 8  # per timed send_recv call, so that the ranks' skew leaving the barrier is spread thin
 
 
