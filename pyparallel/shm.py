@@ -306,6 +306,7 @@ class Channel:
         self._broken: BaseException | None = None
         self._expected = 0  # chunks of the receives posted so far
         self._receives: collections.deque[Message] = collections.deque()  # posted, not yet copied out
+        self._out_of_step: MessageMismatch | None = None
 
     def _chunks(self, nbytes: int) -> int:
         return -(-nbytes // self.capacity)
@@ -408,15 +409,18 @@ class Channel:
         """Copy out every posted receive up to and including ``msg``, in order, waiting for their chunks."""
         cap = self.capacity
         while not msg.done:
+            if self._out_of_step is not None:
+                raise self._out_of_step
             head = self._receives[0]
             while head.next < head.end:
                 j = head.next
                 _wait(self._sent[self._in], j + 1, on_stall)
                 nbytes, index = self._heads[self._in, j % SLOTS, :2].tolist()
                 if (nbytes, index) != (head.data.numel(), j - head.first):
-                    self._receives.clear()  # the stream is out of step: nothing after this can be trusted
-                    raise MessageMismatch(f"a receive of {head.data.numel()} bytes met a message of {nbytes} bytes "
-                                          f"(chunk {index}) from the peer")
+                    # The stream is out of step: no later receive can be trusted either.
+                    self._out_of_step = MessageMismatch(f"a receive of {head.data.numel()} bytes met a message "
+                                                        f"of {nbytes} bytes (chunk {index}) from the peer")
+                    raise self._out_of_step
                 lo = (j - head.first) * cap
                 piece = head.data[lo: lo + cap]
                 piece.copy_(self._slots[self._in, j % SLOTS, : piece.numel()])
