@@ -192,7 +192,9 @@ def _losses_by_step(path: Path) -> dict[int, float]:
 def test_a_job_restarted_after_a_node_is_lost_resumes_exactly(hosts, tmp_path):
     # What a scheduler does when a node dies (SLURM --requeue, a Kubernetes Job's restart): start torchrun
     # again on every node with --resume. (torchrun's own elastic rejoin: the next test.)
-    shared, metrics, steps = str(tmp_path / "ckpt"), tmp_path / "metrics.jsonl", 10
+    # 40 steps, the node lost after step 5: the job must still be running when the kill lands (with 10, one
+    # CI run found that the first round had saved its last step before node 1 was gone).
+    shared, metrics, steps = str(tmp_path / "ckpt"), tmp_path / "metrics.jsonl", 40
     argv = _train("--steps", str(steps), "--save-every", "2", "--checkpoint-dir", shared, "--resume",
                   "--metrics", str(metrics))
     env = [{**hosts.env(node, ENV), "PYPARALLEL_TIMEOUT": "30"} for node in (0, 1)]
@@ -225,7 +227,9 @@ def test_an_elastic_job_resumes_exactly_when_the_lost_node_rejoins(hosts, tmp_pa
     # joins that round) and the job goes on from the last checkpoint with all four ranks. Without the
     # agents' shared store (docs/multinode.md): with it, a rejoining agent waits forever for the round's
     # MASTER_ADDR, which the surviving rank-0 agent does not publish again (pytorch/pytorch#147064).
-    shared, metrics, steps = str(tmp_path / "ckpt"), tmp_path / "metrics.jsonl", 10
+    # 40 steps, the node lost after step 5: the job must still be running when the kill lands (with 10, one
+    # CI run found that the first round had saved its last step before node 1 was gone).
+    shared, metrics, steps = str(tmp_path / "ckpt"), tmp_path / "metrics.jsonl", 40
     argv = _train("--steps", str(steps), "--save-every", "2", "--checkpoint-dir", shared, "--resume",
                   "--metrics", str(metrics))
     env = [{**hosts.env(node, ENV), "PYPARALLEL_TIMEOUT": "30", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
