@@ -30,6 +30,7 @@ Rank 0 shows a progress bar (loss, tokens/s), appends one JSON line per step to 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -54,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage over the DP axis")
     p.add_argument("--offload", action="store_true", help="optimizer state and master weights on the host")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default: pp)")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"),
+                   help="pipeline schedule (with --pp > 1); zb-h1 and zbv defer the weight gradients into the "
+                   "bubbles (zero-bubble, Qi et al. 2023)")
     p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="compute precision (fp32 master)")
     p.add_argument("--steps", type=int, default=100, help="train until this many steps are done")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
@@ -78,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", default=None, help="append one JSON line per step here (rank 0)")
     p.add_argument("--nprocs", type=int, default=None, help="local processes when not under torchrun "
                    "(default: dp*tp*pp)")
+    p.add_argument("--gc-every", type=int, default=1, metavar="N", help="Python's garbage collector runs "
+                   "every N steps, at the same point on every rank, and never inside a step (0: Python's "
+                   "own schedule, which pauses ranks at different moments)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -91,6 +97,8 @@ def check_args(args) -> None:
         raise ValueError(f"--dp must be >= 1, got {args.dp}")
     if args.save_every < 0:
         raise ValueError(f"--save-every must be >= 0, got {args.save_every}")
+    if args.gc_every < 0:
+        raise ValueError(f"--gc-every must be >= 0, got {args.gc_every}")
     if (args.save_every or args.resume) and not args.checkpoint_dir:
         raise ValueError("--save-every and --resume need --checkpoint-dir")
     if args.checkpoint_storage != "shared" and not args.checkpoint_dir:
@@ -318,7 +326,7 @@ def train(args) -> dict:
     import torch
 
     import pyparallel
-    from pyparallel import checkpoint, data, materialize
+    from pyparallel import checkpoint, collector, data, materialize
 
     mesh = pyparallel.init(dp=args.dp, tp=args.tp, pp=args.pp)
     tokens, vocab, encoding = encode_text(args)
@@ -357,21 +365,26 @@ def train(args) -> dict:
     first = mesh.rank == 0
     bar = _progress(first and not args.no_progress, start, args.steps)
     losses, rates = [], []
-    for step in range(start, args.steps):
-        _maybe_fail(mesh.rank, step, "step")
-        t0 = time.perf_counter()
-        for group in pm.optimizer.param_groups:
-            group["lr"] = _lr_at(args, step)
-        idx, tgt = data.batch(tokens, step, args.batch, args.seq, seed=args.seed)
-        loss = pm.step(idx[rows].to(mesh.device), tgt[rows].to(mesh.device))
-        rate = args.batch * args.seq / (time.perf_counter() - t0)
-        losses.append(loss)
-        rates.append(rate)
-        if first:
-            _log(args, bar, step, loss, rate, pm)
-        done = step + 1
-        if args.checkpoint_dir and ((args.save_every and done % args.save_every == 0) or done == args.steps):
-            _save(args, pm, done, mesh.rank)
+    # Python's collector between steps only (collector.py), or on its own schedule with --gc-every 0.
+    gcs = collector.StepCollector(args.gc_every) if args.gc_every else None
+    with gcs or contextlib.nullcontext():
+        for step in range(start, args.steps):
+            _maybe_fail(mesh.rank, step, "step")
+            t0 = time.perf_counter()
+            for group in pm.optimizer.param_groups:
+                group["lr"] = _lr_at(args, step)
+            idx, tgt = data.batch(tokens, step, args.batch, args.seq, seed=args.seed)
+            loss = pm.step(idx[rows].to(mesh.device), tgt[rows].to(mesh.device))
+            rate = args.batch * args.seq / (time.perf_counter() - t0)
+            losses.append(loss)
+            rates.append(rate)
+            if first:
+                _log(args, bar, step, loss, rate, pm)
+            done = step + 1
+            if args.checkpoint_dir and ((args.save_every and done % args.save_every == 0) or done == args.steps):
+                _save(args, pm, done, mesh.rank)
+            if gcs is not None:
+                gcs.step()
     if bar is not None:
         bar.close()
     if args.export is not None:

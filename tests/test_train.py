@@ -70,7 +70,10 @@ def one_process(argv):
 
 
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2", "--micro-batches", "2"],
-                                    ["--dp", "2", "--zero", "3"]], ids=["tp2", "pp2", "zero3-dp2"])
+                                    ["--pp", "2", "--micro-batches", "4", "--schedule", "zb-h1"],
+                                    ["--pp", "2", "--micro-batches", "4", "--schedule", "zbv", "--gc-every", "2"],
+                                    ["--dp", "2", "--zero", "3"]],
+                         ids=["tp2", "pp2", "pp2-zb-h1", "pp2-zbv", "zero3-dp2"])
 def test_a_preset_gpt_is_built_on_meta_and_trains_as_one_process(layout):
     import torch
 

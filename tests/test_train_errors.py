@@ -48,6 +48,7 @@ BAD = [
     (["--seq", "0"], "--seq must be >= 1"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--resume"], "need --checkpoint-dir"),
+    (["--gc-every", "-1"], "--gc-every must be >= 0, got -1"),
 ]
 
 

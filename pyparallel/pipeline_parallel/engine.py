@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn as nn
 
-from pyparallel import _ops, comm, materialize
+from pyparallel import _ops, collector, comm, materialize
 from pyparallel.data.split import microbatches
 from pyparallel.data_parallel.ddp import broadcast_tensors
 from pyparallel.pipeline_parallel import partition, schedules
@@ -270,11 +270,14 @@ class PipelineParallel:
         if self._meter is not None:
             self._meter.reset_peak()
         links = Links(self._p2p_groups, self.rank, expected, dev, expected_shapes)
-        self._run(actions, compute, links, mb_inputs, mb_targets, scales, mb_masks)
-        loss, flush_s = self._flush(compute.loss_sum)
-        self._reduce_tied()
-        if self.reduce_dp_grads and self.mesh.dp > 1:
-            self._reduce_dp()
+        # A garbage collection due mid-schedule would stall every stage waiting on this one; it runs after
+        # the step instead, when all have drained (collector.py).
+        with collector.held():
+            self._run(actions, compute, links, mb_inputs, mb_targets, scales, mb_masks)
+            loss, flush_s = self._flush(compute.loss_sum)
+            self._reduce_tied()
+            if self.reduce_dp_grads and self.mesh.dp > 1:
+                self._reduce_dp()
         self._stats.steps.append(StepRecord(
             busy_s=compute.busy_s, idle_s=links.wait_s + flush_s, wall_s=time.perf_counter() - start,
             peak_inflight=compute.peak_inflight,
