@@ -14,7 +14,12 @@ median step times and their ratios, our measured bubble against the theory ((p -
 the zero-bubble lists' simulated bubble at equal F, B, W times) — over all timed steps ("bubble meas",
 the mean over stages of idle / (busy + idle)) and as the median over steps (robust to a step the OS
 scheduler stretched) — and the peak bytes of saved activations per stage, measured for both with the
-same autograd saved-tensor hooks.
+same autograd saved-tensor hooks. Both pipelines run their steps with Python's automatic garbage
+collection held (``PipelineParallel.step`` does so itself, the torch peer's step is wrapped alike), so a
+collection never lands inside either's schedule and the comparison is of the schedules. "free-split sim
+/ 1F1B sim" (ZB-H1 rows) replays ZB-H1's lists with this run's measured forward times and each stage's
+1F1B backward split in two equal free halves, over 1F1B's lists at their measured times: the step ratio
+the schedule itself could reach on this split and machine if splitting cost nothing.
 
     python benchmarks/pipeline.py --nprocs 2 4 --steps 8
     python benchmarks/pipeline.py --nprocs 2 --schedules 1f1b zb-h1 zbv
@@ -38,12 +43,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import median, table, write_json  # noqa: E402
 
 import pyparallel  # noqa: E402
-from pyparallel import comm  # noqa: E402
+from pyparallel import collector, comm  # noqa: E402
 from pyparallel.models.gpt import GPT, gpt_config, synthetic_batch  # noqa: E402
 from pyparallel.pipeline_parallel import (  # noqa: E402
     PipelineParallel,
     SavedTensorMeter,
     balance,
+    schedules,
     to_blocks,
     token_cross_entropy,
 )
@@ -85,6 +91,10 @@ class TorchPeer:
             yield from mod.parameters()
 
     def step(self, idx, tgt):
+        with collector.held():  # as ours (PipelineParallel.step): schedules compared, not collector policy
+            self._step(idx, tgt)
+
+    def _step(self, idx, tgt):
         first, last = self.first, self.last
         losses = []
         if first:
@@ -168,10 +178,38 @@ def worker(args):
     return [bench_schedule(mesh, cfg, data, *sched, args) for sched in SCHEDULES if sched[0] in args.schedules]
 
 
+def _per_mb(r: dict, rank: int) -> dict:
+    """Measured seconds per micro-batch of each action of stage ``rank`` (keys "F0", "B0", "W0", ...)."""
+    return {k: t / r["microbatches_per_stage"][rank] for k, t in r["action_s_per_stage"][rank].items()}
+
+
+def free_split(zb: dict, base: dict) -> float | None:
+    """ZB-H1's step with a free split over 1F1B's, both simulated at this run's measured times
+    (``schedules.play``, free messages): F as measured in the ZB-H1 row, B = W = half of each stage's
+    whole backward as measured in the 1F1B row (the first stage's all W: its input needs no gradient).
+    What ZB-H1's lists could give on this split and machine if splitting a backward cost nothing; above
+    0.92 the step target is out of reach for the schedule itself."""
+    if zb["schedule"] != "zb-h1" or base["schedule"] != "1f1b" or zb["p"] != base["p"] or zb["m"] != base["m"]:
+        return None
+    p, m = zb["p"], zb["m"]
+    full = [_per_mb(base, r)[f"B{r}"] for r in range(p)]
+    fwd = [_per_mb(zb, r)[f"F{r}"] for r in range(p)]
+    cost = {r: {"F": fwd[r], "B": 0.0 if r == 0 else full[r] / 2, "W": full[r] if r == 0 else full[r] / 2}
+            for r in range(p)}
+    ideal = schedules.play([schedules.build("zb-h1", r, p, m) for r in range(p)], "zb-h1", p,
+                           lambda r, a: cost[r][a.kind])["step"]
+    base_cost = {r: {"F": _per_mb(base, r)[f"F{r}"], "B": full[r]} for r in range(p)}
+    one_f = schedules.play([schedules.build("1f1b", r, p, m) for r in range(p)], "1f1b", p,
+                           lambda r, a: base_cost[r][a.kind])["step"]
+    return ideal / one_f
+
+
 def summarise(raw: list[dict]) -> list[dict]:
     rows = []
     for r in raw:
         ours, theirs = median(r["ours_s"]), median(r["torch_s"])
+        base = next((b for b in raw if b["schedule"] == "1f1b" and b["p"] == r["p"] and b["m"] == r["m"]), None)
+        ideal = free_split(r, base) if base is not None else None
         rows.append({
             "p": r["p"], "schedule": r["schedule"] + (f" v={r['v']}" if r["v"] > 1 else ""), "m": r["m"],
             "ours ms": ours * 1e3, "torch ms": theirs * 1e3, "ours/torch": ours / theirs,
@@ -181,6 +219,7 @@ def summarise(raw: list[dict]) -> list[dict]:
             "bubble sim": r["bubble_simulated"],
             "meas/theory": r["bubble_measured"] / r["bubble_theory"],
             "median-step meas/theory": r["bubble_median_step"] / r["bubble_theory"],
+            "free-split sim / 1F1B sim": ideal if ideal is not None else "-",
             "in-flight/stage": "/".join(map(str, r["peak_inflight"])),
             "ours act MB/stage": "/".join(f"{b / 2**20:.1f}" for b in r["ours_act_bytes"]),
             "torch act MB/stage": "/".join(f"{b / 2**20:.1f}" for b in r["torch_act_bytes"]),
