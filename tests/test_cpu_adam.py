@@ -232,6 +232,27 @@ def test_fused_step_runs_a_torch_adam_instance():
         torch.testing.assert_close(p.detach(), q.detach())
 
 
+def test_fused_step_pairs_explicit_gradients_by_the_params_given():
+    """Gradients given in the caller's own order (``params=``) reach their own parameters whatever the
+    param_groups order (ZeRO's runs are grouped by user group inside the optimizer)."""
+    a, b = _params(seed=8), _params(seed=8)
+    order = [a[2], a[0], a[1]]  # not the groups' order below
+    opt = torch.optim.AdamW([{"params": [a[0], a[2]], "lr": 1e-2}, {"params": [a[1]], "lr": 1e-3}])
+    ref = torch.optim.AdamW([{"params": [b[0], b[2]], "lr": 1e-2}, {"params": [b[1]], "lr": 1e-3}])
+    for step in range(5):
+        grads = _grads(step, a)
+        for q, g in zip(b, grads):
+            q.grad = g.clone()
+        fused_step(opt, grads=[grads[2], grads[0], grads[1]], params=order)
+        ref.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.detach(), q.detach())
+    with pytest.raises(ValueError, match="each of the optimizer's 3 parameters once, got 2"):
+        fused_step(opt, grads=grads[:2], params=order[:2])
+    with pytest.raises(ValueError, match="not the same set"):
+        fused_step(opt, grads=grads, params=[a[0], a[0], a[1]])
+
+
 def test_bad_arguments_fail_clearly():
     with pytest.raises(ValueError, match="Invalid betas"):
         CPUAdam(_params(), betas=(0.9, 1.0))

@@ -208,3 +208,58 @@ def test_other_model_optimizers_schedules_and_wrap_policies():
     units = run(stack_body, 2, stack_reference())[0]
     assert units["adam+schedule"] == ["", "blocks.0", "blocks.1", "blocks.2"]  # root: inp and out
     assert units["sgd-nesterov"] == ["inp", "blocks.0.0", "blocks.1.0", "blocks.2.0", "out"]
+
+
+def _groups(named: dict) -> list[dict]:
+    """Decay on matrices, none on vectors (biases, norms, the gain), a third of the learning rate on the
+    tied embedding: three user groups whose parameters alternate along the flat groups."""
+    emb = [p for n, p in named.items() if "wte" in n]
+    return [{"params": [p for n, p in named.items() if p.dim() >= 2 and "wte" not in n]},
+            {"params": [p for n, p in named.items() if p.dim() < 2], "weight_decay": 0.0},
+            {"params": emb, "lr": LR / 3}]
+
+
+def _trainable(net) -> dict:
+    return {n: p for n, p in net.named_parameters() if p.requires_grad}
+
+
+def _grouped_adamw(params, **kw):
+    """The reference's AdamW over the same groups (``reference`` hands the trainable parameters in order)."""
+    return torch.optim.AdamW(_groups(dict(zip(_trainable(ZNet()), params))), **kw)
+
+
+def grouped_body(ref):
+    mesh = pyparallel.init()
+    ref_losses, ref_params, _, _ = ref
+    interleaved = {}
+    for stage, offload in ((1, False), (2, False), (3, False), (2, True)):
+        net = ZNet()
+        model, opt = _setup_grouped(net, mesh, stage, offload)
+        assert model.engine.updater.fused == _ops.has_kernel("adam_step", torch.device("cpu"))
+        losses = train(model, opt, mesh, STEPS, BATCH, MICRO)
+        what = f"stage {stage}{' offload' if offload else ''}"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), msg=f"{what} losses")
+        params = model.full_state_dict()
+        for name, value in ref_params.items():
+            torch.testing.assert_close(params[name], value, msg=f"{what}: {name} after {STEPS} steps")
+        kinds = [r.k for r in model.engine.runs]
+        interleaved[what] = kinds != sorted(kinds)
+    return interleaved
+
+
+def _setup_grouped(net, mesh, stage, offload):
+    g = net.gpt
+    extra = ({"wrap_policy": [g.embed, *g.blocks, g.head, net.gain]} if stage == 3
+             else {"bucket_cap_mb": 1e-9 if stage == 1 else 0.004})
+    return zero.setup(net, mesh, stage=stage, optimizer=torch.optim.AdamW, lr=LR, weight_decay=WD,
+                      param_groups=_groups(_trainable(net)), offload_optimizer=offload, **extra)
+
+
+def test_fused_adam_pairs_each_run_with_its_own_gradient_under_param_groups():
+    """fp32 masters take the fused Adam kernel, which once paired the runs' gradients (in the order of the
+    flat groups) with the optimizer's parameters in param_groups order: with several user groups whose
+    parameters alternate, each run was stepped with another run's gradient (silently, where the sizes
+    matched). Each stage, and offload, against torch's AdamW over the same groups in one process."""
+    ref = reference(STEPS, BATCH, optimizer=_grouped_adamw, lr=LR, weight_decay=WD)
+    interleaved = run(grouped_body, 2, ref)[0]
+    assert all(interleaved.values()), interleaved  # the runs' order is not param_groups' order

@@ -120,16 +120,27 @@ def can_fuse(optimizer: torch.optim.Optimizer) -> bool:
 
 @torch.no_grad()
 def fused_step(optimizer: torch.optim.Optimizer, *, lowp_out: Sequence[torch.Tensor | None] | None = None,
-               grads: Sequence[torch.Tensor | None] | None = None) -> None:
+               grads: Sequence[torch.Tensor | None] | None = None,
+               params: Sequence[torch.Tensor] | None = None) -> None:
     """Runs one step of ``optimizer`` (see :func:`can_fuse`) with the fused kernel, reading its
     ``param_groups`` and ``state`` afresh each time, so LR schedules and ``load_state_dict`` apply. The
     state it keeps is torch.optim.Adam's (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``).
-    ``lowp_out`` and ``grads`` are as in :meth:`FusedAdam.step`."""
+    ``lowp_out`` and ``grads`` are as in :meth:`FusedAdam.step`, one entry per parameter in the order of
+    ``params``: every parameter of the optimizer once, in any order (default: param_groups order). A
+    caller that built its param_groups from its own list passes that list, so the entries cannot be paired
+    with another group's parameters."""
     if not can_fuse(optimizer):
         raise ValueError(f"fused_step: {type(optimizer).__name__} is not torch.optim.Adam/AdamW or FusedAdam")
     all_params = [p for g in optimizer.param_groups for p in g["params"]]
-    outs = _by_param(lowp_out, all_params, "lowp_out")
-    explicit = _by_param(grads, all_params, "grads") if grads is not None else None
+    if params is None:
+        params = all_params
+    else:
+        params = list(params)
+        if len(params) != len(all_params) or {id(p) for p in params} != {id(p) for p in all_params}:
+            raise ValueError(f"fused_step: params= must hold each of the optimizer's {len(all_params)} parameters "
+                             f"once, got {len(params)} tensors that are not the same set")
+    outs = _by_param(lowp_out, params, "lowp_out")
+    explicit = _by_param(grads, params, "grads") if grads is not None else None
     default_adamw = isinstance(optimizer, torch.optim.AdamW)
     for group in optimizer.param_groups:
         _step_group(group, optimizer.state, outs, explicit, default_adamw)

@@ -282,7 +282,9 @@ class OptimizerOffload:
         grad = self._grads[slot]
         lowp = self._lowp_buffer(out_dtype)
         if self.fused:  # one pass: moments, master and the low-precision copy together
-            fused_step(self.optimizer, grads=self._cut(grad), lowp_out=None if lowp is None else self._cut(lowp))
+            # paired with the runs' order, not param_groups' (the optimizer groups them by user group)
+            fused_step(self.optimizer, grads=self._cut(grad), lowp_out=None if lowp is None else self._cut(lowp),
+                       params=self.params)
             return
         if grad.dtype != torch.float32:
             if self._grad32 is None:

@@ -59,7 +59,9 @@ class DeviceUpdater:
             from pyparallel.optim.cpu_adam import fused_step
 
             lowp = separate and out_param_shard.dtype in (torch.bfloat16, torch.float16)
-            fused_step(self.optimizer, grads=grads, lowp_out=self._cut(out_param_shard) if lowp else None)
+            # the runs' order, not param_groups' (the optimizer groups them by user group)
+            fused_step(self.optimizer, grads=grads, lowp_out=self._cut(out_param_shard) if lowp else None,
+                       params=self.params)
             separate = separate and not lowp
         else:
             for p, g in zip(self.params, grads):
