@@ -8,14 +8,17 @@ Why one module (DESIGN.md, principle 3):
   raises :class:`CollectiveTimeoutError` naming the op, the group, its ranks and this rank, instead of
   hanging or aborting the process. A lost connection names the peer by global rank: each rank's host
   and pid are learned once when the mesh is built (:func:`register_processes`), so a peer on this host
-  that is no longer running is named, not just the port the backend saw.
+  that is no longer running is named, not just the port the backend saw (``pyparallel/liveness.py`` keeps
+  that table and asks /proc who is still running).
 * **Backend gaps.** Some ops are missing on some backends (gloo had no ReduceOp.AVG and no
   reduce-scatter before torch 2.7; torch 2.13 renamed ``*_tensor`` to ``*_single``). Each gap is probed
   once per backend by attempting the op (unsupported ops fail on entry, before any byte moves, on every
   rank alike) and the fallback is remembered.
 * **Debug fingerprints.** With ``PYPARALLEL_DEBUG=1`` (or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) every
   collective is preceded by an all-gather of (sequence number, op, dtype, shape); ranks that disagree all
-  fail at once with every rank's side named.
+  fail at once with every rank's side named (the rows' encoding and comparison: ``pyparallel/fingerprint.py``).
+
+Those helper modules hold only pure logic; every call that moves bytes stays here.
 """
 
 from __future__ import annotations
@@ -23,18 +26,16 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import threading
-import time
 import weakref
-import zlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from pyparallel import accounting, device, shm
+from pyparallel import accounting, device, fingerprint, liveness, shm
 from pyparallel.accounting import comm_stats, reset_comm_stats  # noqa: F401  (re-exported)
+from pyparallel.fingerprint import debug_enabled  # also comm.debug_enabled, as before
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -44,12 +45,6 @@ _REDUCE_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
-}
-_OP_CODES = {
-    name: i
-    for i, name in enumerate(
-        ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "all_gather_object", "all_to_all"]
-    )
 }
 
 
@@ -146,90 +141,16 @@ def _open(op: str, group: Group) -> None:
                            "its process group is gone; call pyparallel.init() again for a new mesh")
 
 
-# Global rank -> (host name, machine key (see _machine), pid), filled once per job by register_processes.
-_processes: dict[int, tuple[str, str, int]] = {}
-
-
 def register_processes(group: Group) -> None:
     """Learn every rank's host and pid (one small all-gather over ``group``, the world), so that a lost
-    connection can be blamed on the global rank that is gone."""
-    found = [(socket.gethostname(), _machine(), os.getpid())] * group.size
+    connection can be blamed on the global rank that is gone (pyparallel/liveness.py)."""
+    found = [liveness.identity()] * group.size
     if group.size > 1:
         try:  # not counted in group.seq: the user's first collective stays call #1 in messages
             dist.all_gather_object(found, found[0], group=group.pg)
         except Exception as exc:
             raise _translate(exc, "all_gather_object", group, 0) from exc
-    for r, (host, machine, pid) in zip(group.ranks, found):
-        _processes[r] = (host, machine, int(pid))
-
-
-def _machine() -> str:
-    """Which pids this process can look up: the kernel's boot id and this pid namespace. Hostnames alone
-    can repeat across nodes (containers), and a pid means something only inside its own namespace."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return socket.gethostname()
-
-
-_PF_EXITING = 0x4  # the kernel's per-task flag (/proc/PID/stat field 9) for a task inside exit()
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process. Not: a zombie (dead, not yet reaped by its parent), nor a process
-    already inside exit() -- the kernel closes a killed process's sockets (the reset its peers read) before
-    it turns into a zombie, so a survivor can look in that window."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0] not in ("Z", "X") and not int(fields[6]) & _PF_EXITING
-    except FileNotFoundError:
-        return False
-    except OSError:  # no procfs (macOS): existence only
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
-def _gone(group: Group) -> list[tuple[int, int]]:
-    """(global rank, pid) of the group's peers on this machine that are no longer running."""
-    machine, me = _machine(), dist.get_rank()
-    return [(r, _processes[r][2]) for r in group.ranks
-            if r != me and r in _processes and _processes[r][1] == machine and not _running(_processes[r][2])]
-
-
-def _blame_peers(group: Group) -> str:
-    gone = _gone(group)
-    if gone:
-        me = socket.gethostname()
-        return "; ".join(f"global rank {r} (pid {pid} on {'this host' if _processes[r][0] == me else _processes[r][0]})"
-                         f" is no longer running" for r, pid in gone)
-    machine = _machine()
-    elsewhere: dict[str, list[int]] = {}
-    for r in group.ranks:
-        if r in _processes and _processes[r][1] != machine:
-            elsewhere.setdefault(_processes[r][0], []).append(r)
-    if elsewhere:
-        where = ", ".join(f"{host} (global ranks {', '.join(map(str, ranks))})" for host, ranks in
-                          sorted(elsewhere.items()))
-        return f"no peer on this host has died; peers on {where} may have"
-    return ""
-
-
-def _blame_lost_peer(group: Group, wait_s: float = 2.0) -> str:
-    """``_blame_peers`` for a connection a peer reset: the peer is dying or dead, so when none on this host
-    looks gone yet, look again for a moment (its exit may still be in progress) before blaming elsewhere."""
-    deadline = time.monotonic() + wait_s
-    while not _gone(group) and time.monotonic() < deadline and any(
-            r in _processes and _processes[r][1] == _machine() for r in group.ranks if r != dist.get_rank()):
-        time.sleep(0.05)
-    return _blame_peers(group)
+    liveness.record(group.ranks, found)
 
 
 # ------------------------------------------------------------------------------------------ accounting
@@ -255,14 +176,14 @@ def _translate(exc: Exception, op: str, group: Group, seq: int) -> CollectiveErr
     first = text.strip().splitlines()[0] if text.strip() else ""
     where = _describe(op, group, seq)
     if "timed out" in text.lower() or "timeout" in text.lower():
-        blame = _blame_peers(group)
+        blame = liveness.blame_peers(group)
         return CollectiveTimeoutError(
             f"pyparallel: {where} did not complete within {group.timeout_s:g} s: a peer rank never joined"
             f"{f' ({blame})' if blame else ''}. Check that every rank of the group calls the same collectives "
             f"in the same order (set PYPARALLEL_DEBUG=1 to compare them). Backend said: {first}"
         )
     if any(s in text.lower() for s in _PEER_LOST):
-        blame = _blame_lost_peer(group) or "the peer's global rank could not be determined from here"
+        blame = liveness.blame_lost_peer(group) or "the peer's global rank could not be determined from here"
         return CollectiveError(f"pyparallel: {where} failed: lost the connection to a peer: {blame}. "
                                f"Backend said: {first}")
     return CollectiveError(f"pyparallel: {where} failed: {text}")
@@ -524,8 +445,7 @@ def _shm_wanted(group: Group) -> bool:
     if group.backend != "gloo" or group.size < 2 or os.environ.get("PYPARALLEL_SHM", "1").lower() in (
             "0", "false", "no", "off"):
         return False
-    machine = _machine()
-    if not all(r in _processes and _processes[r][1] == machine for r in group.ranks):
+    if not liveness.on_this_machine(group.ranks):
         return False  # a peer on another host (or ranks not registered yet: register_processes)
     from pyparallel import _ops
 
@@ -575,8 +495,8 @@ def _on_stall(op: str, group: Group):
 
     def stalled(late: int, waited_s: float) -> None:
         where = _describe(op, group, seq)
-        if _gone(group):
-            raise CollectiveError(f"pyparallel: {where} failed: lost a peer: {_blame_peers(group)}")
+        if liveness.gone(group):
+            raise CollectiveError(f"pyparallel: {where} failed: lost a peer: {liveness.blame_peers(group)}")
         if waited_s >= group.timeout_s:
             raise CollectiveTimeoutError(
                 f"pyparallel: {where} did not complete within {group.timeout_s:g} s: a peer rank never joined "
@@ -740,6 +660,10 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
     return _run("broadcast", group, nbytes, issue, async_op, fp_tensor=tensor)
 
 
+def _device_of(group: Group) -> torch.device:
+    return torch.device("cpu") if group.backend == "gloo" else device.current_cuda_device()
+
+
 def barrier(group: Group) -> None:
     """Block until every rank of ``group`` arrives (an all-reduce of one element, so it honours the
     group's timeout on every backend)."""
@@ -804,8 +728,8 @@ def _p2p_stall(op: str, group: Group):
 
     def stalled(_late: int, waited_s: float) -> None:
         where = _describe(op, group, seq)
-        if _gone(group):
-            raise CollectiveError(f"pyparallel: {where} failed: lost a peer: {_blame_peers(group)}")
+        if liveness.gone(group):
+            raise CollectiveError(f"pyparallel: {where} failed: lost a peer: {liveness.blame_peers(group)}")
         if waited_s >= group.timeout_s:
             what = ("the receiver did not take the earlier messages" if op == "send"
                     else "the sender never sent it")
@@ -879,50 +803,18 @@ def _p2p(op: str, group: Group, nbytes: int, issue, async_op: bool, tensor: torc
 # ------------------------------------------------------------------------------------------ debug mode
 
 
-def debug_enabled() -> bool:
-    return os.environ.get("PYPARALLEL_DEBUG", "0") not in ("", "0") or (
-        os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
-    )
-
-
-_FP_LEN = 12
-_DTYPES = {}
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPES.setdefault(dtype, zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF)
-
-
-def _device_of(group: Group) -> torch.device:
-    return torch.device("cpu") if group.backend == "gloo" else device.current_cuda_device()
-
-
-def _fingerprint(op: str, seq: int, tensor: torch.Tensor | None) -> list[int]:
-    shape = list(tensor.shape) if tensor is not None else []
-    dtype = _dtype_code(tensor.dtype) if tensor is not None else 0
-    fp = [seq, _OP_CODES.get(op, 99), dtype, len(shape)] + shape[:6]
-    return fp + [0] * (_FP_LEN - len(fp))
-
-
-def _decode(fp: list[int]) -> str:
-    codes = {v: k for k, v in _OP_CODES.items()}
-    dtypes = {v: k for k, v in _DTYPES.items()}
-    ndim = fp[3]
-    shape = fp[4 : 4 + min(ndim, 6)]
-    return f"call #{fp[0]} {codes.get(fp[1], '?')}(shape={tuple(shape)}, dtype={dtypes.get(fp[2], fp[2])})"
-
-
 def _check_fingerprint(op: str, group: Group, seq: int, tensor: torch.Tensor | None) -> None:
-    mine = torch.tensor(_fingerprint(op, seq, tensor), dtype=torch.int64, device=_device_of(group))
-    gathered = torch.empty(group.size * _FP_LEN, dtype=torch.int64, device=mine.device)
+    """All-gather every rank's fingerprint of this call (pyparallel/fingerprint.py); all fail alike on a mismatch."""
+    n = fingerprint.LENGTH
+    mine = torch.tensor(fingerprint.encode(op, seq, tensor), dtype=torch.int64, device=_device_of(group))
+    gathered = torch.empty(group.size * n, dtype=torch.int64, device=mine.device)
     try:
-        parts = list(gathered.view(group.size, _FP_LEN).unbind(0))
+        parts = list(gathered.view(group.size, n).unbind(0))
         dist.all_gather(parts, mine, group=group.pg)
     except Exception as exc:
         raise _translate(exc, f"{op} (debug fingerprint)", group, seq) from exc
-    rows = gathered.view(group.size, _FP_LEN).tolist()
-    if any(r != rows[0] for r in rows):
-        sides = "; ".join(f"rank {group.ranks[i]}: {_decode(r)}" for i, r in enumerate(rows))
+    sides = fingerprint.disagreement(gathered.view(group.size, n).tolist(), group.ranks)
+    if sides:
         raise CollectiveMismatchError(
             f"pyparallel: ranks of group '{group.name}' disagree on the next collective (detected on rank "
             f"{dist.get_rank()}): {sides}"
