@@ -74,11 +74,13 @@ def _check(model, mesh, zero_stage, optimizer, kwargs, clip_grad_norm, bucket_ca
         raise ValueError(f"trainable parameters must share one floating dtype, found {sorted(map(str, dtypes))}")
 
 
-def _vocab_loss(group):
+def _vocab_loss(group, vocab_size):
+    """The vocabulary-parallel cross-entropy over the real (unpadded) vocabulary: a target in the padding
+    columns is refused, not scored against a -inf logit."""
     from pyparallel.tensor_parallel import vocab_parallel_cross_entropy
 
-    def loss(logits, targets):
-        return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), group)
+    def loss(logits, targets):  # targets kept in their shape: an error names a [row, position]
+        return vocab_parallel_cross_entropy(logits, targets, group, vocab_size=vocab_size)
 
     return loss
 
@@ -98,12 +100,27 @@ def _tensor_parallel(model, mesh, tp_plan, loss_fn):
 
         split(model, mesh, plan=tp_plan)
         if loss_fn is None and "vocab_head" in model._pyparallel_tp["plan"].styles.values():
-            return _vocab_loss(mesh.tp_group)  # the logits stay split by vocabulary
+            return _vocab_loss(mesh.tp_group, model._pyparallel_tp["vocab_size"])  # logits stay split by vocabulary
     if loss_fn is None:
         from pyparallel.pipeline_parallel.partition import to_blocks
 
         loss_fn = to_blocks(model)[1]
     return loss_fn
+
+
+def _token_vocab(model, ours: bool) -> tuple[int | None, int | None, bool]:
+    """(vocabulary of the input ids, of the targets, whether targets= are token ids) that a step checks its
+    batch against on a tensor-parallel model: after the split an id outside the vocabulary is no longer an
+    IndexError but a zero embedding or a zero logit. Read from the split layers (their sizes are the real
+    vocabulary, known on meta too); None: nothing to check. targets= are token ids only for the built-in
+    loss (``ours``); a user's loss_fn may take anything."""
+    from pyparallel.tensor_parallel.layers import VocabParallelEmbedding
+
+    tp = getattr(model, "_pyparallel_tp", None)
+    if tp is None:
+        return None, None, False
+    embed = next((m.num_embeddings for m in model.modules() if isinstance(m, VocabParallelEmbedding)), None)
+    return embed, tp["vocab_size"], ours
 
 
 def _check_pipeline(model, mesh, schedule: str, m: int, v: int) -> None:
@@ -203,7 +220,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
     reader = materialize.open_source(model, mesh.device, weights, init)  # before the model changes
     source = (reader, materialize.loadable(model, reader))
     scaler = (loss_scaler or amp.DynamicLossScaler()) if compute == torch.float16 else None
+    ours = loss_fn is None
     loss_fn = _tensor_parallel(model, mesh, tp_plan, loss_fn)
+    token_vocab = _token_vocab(model, ours)
     owners = tp_owners(model)
     infos = {id(p): describe(n, p, owners.get(id(p)), mesh.tp, mesh.tp_rank) for n, p in model.named_parameters()}
     buffer_names = {id(b): n for n, b in model.named_buffers()}
@@ -236,6 +255,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
     if schedule not in SPLIT_BACKWARD:  # weight gradients added straight into the engine's buffers
         accumulate.install(pipe.chunks.values(), engine.accumulating_params())
     parallel = ParallelModel(model, mesh, pipe, engine, policy, buffer_names)
+    parallel._token_vocab = token_vocab
     if reader is not None:  # each rank's masters (and frozen parameters) piece by piece, then its weights
         parallel.load_checkpoint_pieces(reader, {})
     return parallel
@@ -273,9 +293,28 @@ class ParallelModel:
         # Local checks first (the same on every rank of a replica), then the TP ranks' shapes, so that a bad
         # batch is a ValueError on every rank before any collective.
         self.pipe._validate(inputs, targets, self.pipe.num_microbatches, labels, attention_mask)
+        self._check_tokens(inputs, targets, labels)
         self._check_batch(inputs, targets if labels is None else labels, attention_mask)
         self.engine.begin_step()  # ZeRO-3: gather this stage's weights (once per step)
         return self.pipe.step(inputs, targets, labels=labels, attention_mask=attention_mask)
+
+    _token_vocab: tuple[int | None, int | None, bool] = (None, None, False)
+
+    def _check_tokens(self, inputs, targets, labels) -> None:
+        """Under TP, ids outside the vocabulary: a ValueError on every rank of the replica (they all hold
+        this batch) before any collective. The split layers check too, but on their own stage only: with
+        pp > 1 the other stages would be left waiting for it."""
+        from pyparallel.tensor_parallel.layers import check_token_ids
+
+        embed, vocab, targets_are_ids = self._token_vocab
+        if embed is not None:
+            check_token_ids(inputs, embed, "input id")
+        if vocab is None:
+            return
+        if labels is not None:  # labels[:, 0] is never a target (shifted left by one)
+            check_token_ids(labels[:, 1:], vocab, "label", ignore_index=-100, shift=1)
+        elif targets_are_ids and targets is not None:
+            check_token_ids(targets, vocab, "target", ignore_index=-100)
 
     _MAX_DIMS = 6
 

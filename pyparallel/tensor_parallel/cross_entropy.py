@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from pyparallel import comm
+from pyparallel.tensor_parallel.layers import check_token_ids
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -63,7 +64,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
     logits [..., V/t], target [...] of global token ids; ``reduction`` is "mean" (over targets that are not
     ``ignore_index``), "sum" or "none". ``vocab_size``: the real vocabulary when the split one is padded
-    (columns from it on are excluded); None: every column is a token."""
+    (columns from it on are excluded); None: every column is a token. A target that is neither
+    ``ignore_index`` nor in ``[0, vocab_size)`` is a ValueError (one process's IndexError), before any
+    collective: no rank's slice holds it, so it would be read as a logit of 0."""
+    vocab = vocab_size if vocab_size is not None else logits.shape[-1] * group.size
+    check_token_ids(target, vocab, "vocab_parallel_cross_entropy: target", ignore_index=ignore_index)
+    return _cross_entropy(logits, target, group, ignore_index, reduction, vocab_size)
+
+
+def _cross_entropy(logits, target, group, ignore_index, reduction, vocab_size):
+    """:func:`vocab_parallel_cross_entropy` once its targets are checked."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if tuple(logits.shape[:-1]) != tuple(target.shape):

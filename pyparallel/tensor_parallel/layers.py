@@ -194,6 +194,40 @@ def column_parallel_group(layers, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return first._matmuls(x, [(layer.weight, layer.bias) for layer in layers], share=False)
 
 
+def check_token_ids(ids: torch.Tensor, size: int, what: str, *, ignore_index: int | None = None,
+                    shift: int = 0) -> None:
+    """Refuse token ids outside ``[0, size)`` (``ignore_index`` also allowed, for labels) with a ValueError
+    that names the value, its position and the vocabulary. A vocabulary-split lookup or loss would otherwise
+    take an id that no rank owns as a zero embedding or a zero logit (an id in the padding rows too), where
+    one process raises IndexError. Local and identical on every TP rank (they hold the same ids), so call it
+    before the first collective. ``shift`` is added to the last coordinate of the reported position (labels
+    shifted left by one: the loss reads ``labels[..., i + 1]`` as target ``i``).
+
+    Cost: one min/max reduction (``torch.aminmax``); the position is looked for only on failure. On the CPU
+    reading the two numbers is free. On an accelerator it would be a host sync per call (a stall of the
+    queue on every forward), so there the check is ``torch._assert_async`` instead: no sync, and a bad id
+    ends the job with a device-side assert at the next synchronisation, as one process's own embedding and
+    cross-entropy kernels do on CUDA; the ValueError with the numbers is for CPU tensors (and for
+    :class:`pyparallel.ParallelModel`, which checks the batch on its way in)."""
+    if ids.numel() == 0 or ids.device.type == "meta" or ids.is_floating_point() or ids.dtype == torch.bool:
+        return  # nothing to read (meta) or not ids: F.embedding / the loss refuse such a tensor themselves
+    x = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
+    lo, hi = torch.aminmax(x)
+    if ids.device.type != "cpu":
+        torch._assert_async((lo >= 0) & (hi < size), f"{what}: a token id is outside the vocabulary [0, {size})")
+        return
+    if int(lo) >= 0 and int(hi) < size:
+        return
+    pos = [int(i) for i in ((x < 0) | (x >= size)).nonzero()[0]]
+    value = int(ids[tuple(pos)])
+    if pos:
+        pos[-1] += shift
+    allowed = f"ignore_index ({ignore_index}) or " if ignore_index is not None else ""
+    raise ValueError(f"{what} {value} at position {tuple(pos)} is outside the vocabulary of {size} tokens; it must "
+                     f"be {allowed}a token id in [0, {size}) (check that the tokenizer and the model's vocab_size "
+                     f"agree)")
+
+
 def _check_divisible(name: str, what: str, value: int, t: int) -> None:
     if value % t:
         raise ValueError(f"{name}: {what} ({value}) is not divisible by the tensor-parallel degree tp={t}; "
@@ -237,6 +271,16 @@ def _value(p: nn.Parameter, grad: bool) -> torch.Tensor:
     if not grad:
         return p
     return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _keep_requires_grad(layer: nn.Module, source: nn.Module) -> None:
+    """Each shard trains exactly when the parameter it was cut from does (a frozen weight or bias stays
+    frozen). Read from the source's own parameters, not from ``linear_weight``'s transposed view of a
+    ``Conv1D`` weight, whose flag is False under ``torch.no_grad()`` whatever the parameter's."""
+    for pname in ("weight", "bias"):
+        new, old = getattr(layer, pname, None), getattr(source, pname, None)
+        if new is not None and old is not None:
+            new.requires_grad_(old.requires_grad)
 
 
 def _to_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -338,7 +382,7 @@ class ColumnParallelLinear(nn.Module):
             layer.weight.copy_(shard_rows(_pad_rows(w, out), t, r, layer.sections))
             if b is not None:
                 layer.bias.copy_(shard_rows(_pad_rows(b, out), t, r, layer.sections))
-        layer.weight.requires_grad_(w.requires_grad)
+        _keep_requires_grad(layer, module)
         layer.layout = layout
         return layer
 
@@ -443,6 +487,7 @@ class RowParallelLinear(nn.Module):
             layer.weight.copy_(w.chunk(layer.group.size, dim=1)[layer.group.rank])
             if b is not None:
                 layer.bias.copy_(b)
+        _keep_requires_grad(layer, module)
         layer.layout = layout
         return layer
 
@@ -501,6 +546,7 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"{name}: padded_size {padded} is smaller than the vocabulary {num_embeddings}")
         _check_divisible(name, "vocabulary size" if padded == num_embeddings else "padded vocabulary size", padded, t)
         self.num_embeddings, self.embedding_dim, self.padded_size = num_embeddings, embedding_dim, padded
+        self.layer_name = name  # for the error on an id outside the vocabulary
         self.padding_idx = padding_idx
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         per = padded // t
@@ -528,10 +574,12 @@ class VocabParallelEmbedding(nn.Module):
                     dtype=module.weight.dtype, device=module.weight.device, init=False, **kwargs)
         with torch.no_grad():
             layer.weight.copy_(_pad_rows(module.weight, layer.padded_size)[layer.vocab_start:layer.vocab_end])
-        layer.weight.requires_grad_(module.weight.requires_grad)
+        _keep_requires_grad(layer, module)
         return layer
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        # An id no rank owns (>= num_embeddings, also a padding row, or < 0) would be summed as zeros.
+        check_token_ids(idx, self.num_embeddings, f"{self.layer_name}: input id")
         pad = self.padding_idx
         if pad is not None and pad < 0:
             pad += self.num_embeddings

@@ -18,12 +18,13 @@ import torch.nn as nn
 from pyparallel.tensor_parallel import plans as plans_mod
 from pyparallel.tensor_parallel import random as tp_random
 from pyparallel.tensor_parallel import styles as styles_mod
-from pyparallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from pyparallel.tensor_parallel.cross_entropy import _cross_entropy, vocab_parallel_cross_entropy
 from pyparallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     InputCache,
     RowParallelLinear,
     VocabParallelEmbedding,
+    check_token_ids,
 )
 from pyparallel.tensor_parallel.mappings import allreduce_grad_hook, gather_from_tp, scatter_to_sequence
 
@@ -239,7 +240,8 @@ def causal_lm_loss(logits, labels, group, num_items_in_batch=None, ignore_index=
     """transformers' ForCausalLMLoss on vocabulary-split logits (``group`` = the TP group; None for full
     logits): shift, at least fp32, mean (or sum / items). ``vocab_size``: the real vocabulary of padded
     split logits."""
-    if shift_labels is None:
+    shifted = shift_labels is None
+    if shifted:
         labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
     reduction = "sum" if num_items_in_batch is not None else "mean"
@@ -248,9 +250,11 @@ def causal_lm_loss(logits, labels, group, num_items_in_batch=None, ignore_index=
     if group is None:  # full logits
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
                                            ignore_index=ignore_index, reduction=reduction)
-    else:
-        loss = vocab_parallel_cross_entropy(logits, shift_labels, group, ignore_index=ignore_index,
-                                            reduction=reduction, vocab_size=vocab_size)
+    else:  # the targets the loss reads, checked (labels[..., 0] is never one); positions in the labels given
+        vocab = vocab_size if vocab_size is not None else logits.shape[-1] * group.size
+        check_token_ids(shift_labels, vocab, "label" if shifted else "shift_labels", ignore_index=ignore_index,
+                        shift=1 if shifted else 0)
+        loss = _cross_entropy(logits, shift_labels, group, ignore_index, reduction, vocab_size)
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                        else num_items_in_batch)
@@ -265,7 +269,7 @@ def _gpt_tp_forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
     logits = self.head(x)  # [b, s, V/t]
     if targets is None:
         return gather_from_tp(logits, self._tp_group, -1)[..., :self.head.lm_head.valid_out]
-    return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self._tp_group,
+    return vocab_parallel_cross_entropy(logits, targets, self._tp_group,  # [b, s, V/t], [b, s]: the same mean
                                         vocab_size=self.head.lm_head.valid_out)
 
 
@@ -281,7 +285,8 @@ def _wire_sequence_parallel(model, mesh) -> None:
     for name, module in model.named_modules():
         if isinstance(module, nn.LayerNorm) and (name.startswith("blocks.") or name.startswith("head.")):
             for p in module.parameters():
-                p.register_hook(allreduce_grad_hook(group))
+                if p.requires_grad:  # a frozen one has no gradient to sum (and register_hook refuses it)
+                    p.register_hook(allreduce_grad_hook(group))
 
 
 def full_parameters(model: nn.Module, grad: bool = False) -> dict[str, torch.Tensor]:

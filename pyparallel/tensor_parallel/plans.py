@@ -180,7 +180,8 @@ def _sum_head_norm_grads(module: nn.Module, t: int, name: str) -> None:
     group = next(m.group for m in module.modules() if isinstance(m, ColumnParallelLinear))
     for norm in ("q_norm", "k_norm"):
         for p in getattr(module, norm).parameters():
-            p.register_hook(allreduce_grad_hook(group))
+            if p.requires_grad:  # a frozen one has no gradient to sum (and register_hook refuses it)
+                p.register_hook(allreduce_grad_hook(group))
 
 
 ATTENTION_FIXES = {
