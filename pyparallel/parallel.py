@@ -110,15 +110,18 @@ def _tensor_parallel(model, mesh, tp_plan, loss_fn):
 
 def _token_vocab(model, ours: bool) -> tuple[int | None, int | None, bool]:
     """(vocabulary of the input ids, of the targets, whether targets= are token ids) that a step checks its
-    batch against on a tensor-parallel model: after the split an id outside the vocabulary is no longer an
-    IndexError but a zero embedding or a zero logit. Read from the split layers (their sizes are the real
-    vocabulary, known on meta too); None: nothing to check. targets= are token ids only for the built-in
-    loss (``ours``); a user's loss_fn may take anything."""
+    batch against, where the pipeline's own check (``PipelineParallel._check_tokens``, on the unsplit
+    embedding) does not reach: the targets, since the pipeline is handed our loss function, and the layers
+    split by tensor parallelism, where an id outside the vocabulary is no longer an IndexError but a zero
+    embedding or a zero logit. Read from the layers (the split ones know the real vocabulary, on meta too);
+    None: nothing to check. targets= are token ids only for the built-in loss (``ours``); a user's loss_fn
+    may take anything."""
+    from pyparallel.pipeline_parallel.partition import to_blocks, token_vocab
     from pyparallel.tensor_parallel.layers import VocabParallelEmbedding
 
     tp = getattr(model, "_pyparallel_tp", None)
     if tp is None:
-        return None, None, False
+        return None, token_vocab(to_blocks(model)[0])[1], ours
     embed = next((m.num_embeddings for m in model.modules() if isinstance(m, VocabParallelEmbedding)), None)
     return embed, tp["vocab_size"], ours
 
@@ -301,20 +304,13 @@ class ParallelModel:
     _token_vocab: tuple[int | None, int | None, bool] = (None, None, False)
 
     def _check_tokens(self, inputs, targets, labels) -> None:
-        """Under TP, ids outside the vocabulary: a ValueError on every rank of the replica (they all hold
-        this batch) before any collective. The split layers check too, but on their own stage only: with
-        pp > 1 the other stages would be left waiting for it."""
-        from pyparallel.tensor_parallel.layers import check_token_ids
+        """Ids outside the vocabulary that the pipeline's own check does not see (``_token_vocab``): a
+        ValueError on every rank of the replica (they all hold this batch) before any collective. The split
+        layers check too, but on their own stage only: with pp > 1 the other stages would wait for it."""
+        from pyparallel.data.tokens import check_batch_tokens
 
         embed, vocab, targets_are_ids = self._token_vocab
-        if embed is not None:
-            check_token_ids(inputs, embed, "input id")
-        if vocab is None:
-            return
-        if labels is not None:  # labels[:, 0] is never a target (shifted left by one)
-            check_token_ids(labels[:, 1:], vocab, "label", ignore_index=-100, shift=1)
-        elif targets_are_ids and targets is not None:
-            check_token_ids(targets, vocab, "target", ignore_index=-100)
+        check_batch_tokens(inputs, targets if targets_are_ids else None, labels, embed, vocab)
 
     _MAX_DIMS = 6
 

@@ -66,6 +66,65 @@ def test_bad_input_raises_on_every_rank():
     assert msgs0 == msgs1 and loss0 == loss1
 
 
+def _set(t, value, pos=(1, 3)):
+    t = t.clone()
+    t[pos] = value
+    return t
+
+
+def bad_tokens_body():
+    """A language model's bad ids, labels and lengths at pp = 2 without tensor parallelism: one process's
+    IndexError comes from the embedding (stage 0) or the loss (stage 1), and the other stage waited for a
+    message until the group timeout. Each is now a ValueError on both stages before any message; a good step
+    right after still lines up."""
+    from models import hf_model
+
+    mesh = pyparallel.init(pp=2)
+    cfg, make = tiny_gpt(2)  # vocabulary 64, 16 positions
+    idx, tgt = synthetic_batch(cfg, 4, 12, seed=1)
+    serial = make()
+    for bad in (lambda: serial(_set(idx, 64)), lambda: serial(idx, _set(tgt, 64)),
+                lambda: serial(torch.zeros(4, 17, dtype=torch.long))):
+        with pytest.raises(IndexError):  # what one process does with each of the batches below
+            bad()
+    pipe = PipelineParallel(make(), mesh, num_microbatches=2)
+    msgs = [
+        _raises(lambda: pipe.step(_set(idx, 64), tgt), "input id 64 at position (1, 3)", "vocabulary of 64"),
+        _raises(lambda: pipe.step(_set(idx, -1), tgt), "input id -1 at position (1, 3)"),
+        _raises(lambda: pipe.step(idx, _set(tgt, 64)), "target 64 at position (1, 3)"),
+        _raises(lambda: pipe.step(idx, labels=_set(idx, -2)), "label -2 at position (1, 3)"),
+        _raises(lambda: pipe.step(torch.zeros(4, 17, dtype=torch.long), torch.zeros(4, 17, dtype=torch.long)),
+                "17 tokens", "16 learned positions"),
+    ]
+    edges = _set(_set(idx, 63, (0, 0)), 0, (2, 5))  # the edges of the vocabulary, -100 and a 16-token batch pass
+    loss = pipe.step(edges, _set(tgt, -100))
+    full = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    pipe.step(full, full)
+
+    gpt2 = PipelineParallel(hf_model("gpt2"), mesh, num_microbatches=2)  # 64 tokens, 32 learned positions
+    msgs.append(_raises(lambda: gpt2.step(_set(idx, 70), labels=idx), "input id 70 at position (1, 3)"))
+    msgs.append(_raises(lambda: gpt2.step(torch.zeros(2, 33, dtype=torch.long), labels=torch.zeros(2, 33,
+                        dtype=torch.long)), "33 tokens", "32 learned positions"))
+    gpt2.step(idx, labels=idx)
+    # A user's loss_fn may take anything as targets: they are not checked as ids.
+    own = PipelineParallel(make(), mesh, num_microbatches=2,
+                           loss_fn=lambda out, t: (out.float().mean(-1) - t).pow(2).mean())
+    own.step(idx, torch.full((4, 12), 1000.0))
+
+    # parallelize at tp = 1: the same refusals through ParallelModel (its pipeline is handed our loss).
+    pm = pyparallel.parallelize(hf_model("llama"), mesh, lr=1e-2, num_microbatches=2)
+    msgs.append(_raises(lambda: pm.forward_backward(_set(idx, 64), labels=idx), "input id 64 at position (1, 3)"))
+    msgs.append(_raises(lambda: pm.forward_backward(idx, labels=_set(idx, 64)), "label 64 at position (1, 3)"))
+    msgs.append(_raises(lambda: pm.forward_backward(idx, _set(tgt, -7)), "target -7 at position (1, 3)"))
+    pm.forward_backward(idx, labels=idx)
+    return msgs, loss
+
+
+def test_bad_tokens_raise_on_every_stage():
+    (msgs0, loss0), (msgs1, loss1) = run(bad_tokens_body, 2, deadline_s=120)
+    assert msgs0 == msgs1 and loss0 == loss1
+
+
 class Exploding(nn.Module):
     def __init__(self, width):
         super().__init__()

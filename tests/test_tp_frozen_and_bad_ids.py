@@ -21,13 +21,10 @@ from dist import run
 from models import TINY, batches, hf_model
 
 import pyparallel
+from pyparallel.data.tokens import check_token_ids
 from pyparallel.models.gpt import GPT, gpt_config
 from pyparallel.tensor_parallel import full_parameters, parallelize, vocab_parallel_cross_entropy
-from pyparallel.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    check_token_ids,
-)
+from pyparallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 pytest.importorskip("transformers")
 

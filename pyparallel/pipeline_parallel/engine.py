@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from pyparallel import _ops, collector, comm, materialize
 from pyparallel.data.split import microbatches
+from pyparallel.data.tokens import check_batch_tokens
 from pyparallel.data_parallel.ddp import broadcast_tensors
 from pyparallel.pipeline_parallel import partition, schedules
 from pyparallel.pipeline_parallel.labels import check_attention_mask, labels_to_targets
@@ -72,6 +73,10 @@ class PipelineParallel:
         self.takes_labels = default_loss is partition.token_cross_entropy
         self.takes_attention_mask = any(getattr(b, "takes_attention_mask", False) for b in blocks)
         self.loss_fn = loss_fn or default_loss
+        # What every stage checks the batch against (the embedding and the loss run on one stage each);
+        # targets are token ids only for the model's own loss.
+        ids, out, self._positions = partition.token_vocab(blocks)
+        self._vocab = (ids, out if loss_fn is None else None)
         if self.loss_fn is None:
             raise ValueError(f"a {type(model_or_blocks).__name__} has no default loss: pass "
                              f"loss_fn(outputs, targets) returning the mean loss of a micro-batch")
@@ -304,7 +309,17 @@ class PipelineParallel:
         if inputs.shape[0] % m:
             raise ValueError(f"the batch of {inputs.shape[0]} samples is not divisible by num_microbatches "
                              f"({m}); use a batch that is a multiple of {m}")
+        self._check_tokens(inputs, targets, labels)
         return targets
+
+    def _check_tokens(self, inputs, targets, labels) -> None:
+        """A language model's ids, labels and length, on every stage: one process raises IndexError in the
+        embedding or the loss, which here run on the first and the last stage only, and the other stages
+        would wait for a message until the group's timeout."""
+        if self._positions is not None and inputs.dim() >= 2 and inputs.shape[1] > self._positions:
+            raise ValueError(f"a sequence of {inputs.shape[1]} tokens is longer than the model's "
+                             f"{self._positions} learned positions; use sequences of at most {self._positions}")
+        check_batch_tokens(inputs, targets, labels, *self._vocab)
 
     def _infer(self, x_shape, t_shape):
         key = (x_shape, t_shape)

@@ -69,6 +69,30 @@ def _blocks(model) -> tuple[list[nn.Module], Callable | None]:
                      f"Hugging Face causal LM (LLaMA, GPT-2), an nn.Sequential or a list of modules")
 
 
+def token_vocab(blocks: Sequence[nn.Module]) -> tuple[int | None, int | None, int | None]:
+    """``(input ids, target ids, positions)``: the vocabulary of a language model's token embedding, of its
+    LM head, and its number of learned positions, read from the unsplit layers of the built-in GPT's or a
+    Hugging Face model's first and last block (None where there is no such layer, or it is split by
+    tensor parallelism: ``ParallelModel`` checks those). The batch is checked against them on every stage
+    (``PipelineParallel._validate``), since the lookups and the loss run on one stage each."""
+    from pyparallel.models.gpt import Embedding, Head
+    from pyparallel.pipeline_parallel.adapters import HFEmbedding, HFHead
+
+    def rows(m):
+        return m.num_embeddings if isinstance(m, nn.Embedding) else None
+
+    first, last = blocks[0], blocks[-1]
+    ids = positions = out = None
+    if isinstance(first, Embedding):
+        ids, positions = rows(first.wte), rows(first.wpe)
+    elif isinstance(first, HFEmbedding):
+        ids, positions = rows(first.tokens), rows(first.positions)
+    head = last.lm_head if isinstance(last, (Head, HFHead)) else None
+    if isinstance(head, nn.Linear):
+        out = head.out_features
+    return ids, out, positions
+
+
 def block_costs(blocks: Sequence[nn.Module]) -> list[int]:
     """Parameters per block (a parameter shared by two blocks counts in both: both compute with it)."""
     return [sum(p.numel() for p in b.parameters()) for b in blocks]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pyparallel import comm
-from pyparallel.tensor_parallel.layers import check_token_ids
+from pyparallel.data.tokens import check_token_ids
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pyparallel import _ops, comm
+from pyparallel.data.tokens import check_token_ids
 from pyparallel.tensor_parallel.mappings import (
     SharedInput,
     _gather,
@@ -192,40 +193,6 @@ def column_parallel_group(layers, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
             raise ValueError("column_parallel_group: the layers must share the group and the sequence "
                              "parallelism, without gather_output or vocabulary padding")
     return first._matmuls(x, [(layer.weight, layer.bias) for layer in layers], share=False)
-
-
-def check_token_ids(ids: torch.Tensor, size: int, what: str, *, ignore_index: int | None = None,
-                    shift: int = 0) -> None:
-    """Refuse token ids outside ``[0, size)`` (``ignore_index`` also allowed, for labels) with a ValueError
-    that names the value, its position and the vocabulary. A vocabulary-split lookup or loss would otherwise
-    take an id that no rank owns as a zero embedding or a zero logit (an id in the padding rows too), where
-    one process raises IndexError. Local and identical on every TP rank (they hold the same ids), so call it
-    before the first collective. ``shift`` is added to the last coordinate of the reported position (labels
-    shifted left by one: the loss reads ``labels[..., i + 1]`` as target ``i``).
-
-    Cost: one min/max reduction (``torch.aminmax``); the position is looked for only on failure. On the CPU
-    reading the two numbers is free. On an accelerator it would be a host sync per call (a stall of the
-    queue on every forward), so there the check is ``torch._assert_async`` instead: no sync, and a bad id
-    ends the job with a device-side assert at the next synchronisation, as one process's own embedding and
-    cross-entropy kernels do on CUDA; the ValueError with the numbers is for CPU tensors (and for
-    :class:`pyparallel.ParallelModel`, which checks the batch on its way in)."""
-    if ids.numel() == 0 or ids.device.type == "meta" or ids.is_floating_point() or ids.dtype == torch.bool:
-        return  # nothing to read (meta) or not ids: F.embedding / the loss refuse such a tensor themselves
-    x = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
-    lo, hi = torch.aminmax(x)
-    if ids.device.type != "cpu":
-        torch._assert_async((lo >= 0) & (hi < size), f"{what}: a token id is outside the vocabulary [0, {size})")
-        return
-    if int(lo) >= 0 and int(hi) < size:
-        return
-    pos = [int(i) for i in ((x < 0) | (x >= size)).nonzero()[0]]
-    value = int(ids[tuple(pos)])
-    if pos:
-        pos[-1] += shift
-    allowed = f"ignore_index ({ignore_index}) or " if ignore_index is not None else ""
-    raise ValueError(f"{what} {value} at position {tuple(pos)} is outside the vocabulary of {size} tokens; it must "
-                     f"be {allowed}a token id in [0, {size}) (check that the tokenizer and the model's vocab_size "
-                     f"agree)")
 
 
 def _check_divisible(name: str, what: str, value: int, t: int) -> None:

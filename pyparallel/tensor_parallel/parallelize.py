@@ -15,6 +15,7 @@ import types
 import torch
 import torch.nn as nn
 
+from pyparallel.data.tokens import check_token_ids
 from pyparallel.tensor_parallel import plans as plans_mod
 from pyparallel.tensor_parallel import random as tp_random
 from pyparallel.tensor_parallel import styles as styles_mod
@@ -24,7 +25,6 @@ from pyparallel.tensor_parallel.layers import (
     InputCache,
     RowParallelLinear,
     VocabParallelEmbedding,
-    check_token_ids,
 )
 from pyparallel.tensor_parallel.mappings import allreduce_grad_hook, gather_from_tp, scatter_to_sequence
 
