@@ -313,3 +313,40 @@ def test_zero_bubble_hf_parity(schedule):
     # zbv: rank 0 also holds the last chunk, whose B it splits.
     assert first["no_input_grad"] == 4 and first["split"] == (4 if schedule == "zbv" else 0)
     assert second["split"] == (8 if schedule == "zbv" else 4) and second["no_input_grad"] == 0
+
+
+def frozen_first_chunk_body(configs):
+    """The embedding frozen and alone in chunk 0 (untied GPT): chunk 0's output needs no gradient, so no
+    gradient crosses boundary 0 and stage 0 never takes one; the step must still consume its whole message
+    order. Per (schedule, boundaries): 5 SGD steps against one process, and the split counts."""
+    mesh = pyparallel.init(pp=2)
+    cfg, make_gpt = tiny_gpt(3, tie_embeddings=False)
+
+    def make():
+        model = make_gpt()
+        model.embed.requires_grad_(False)
+        return model
+
+    data = gpt_data(cfg)
+    ref = reference(make, data)
+    out = []
+    for schedule, boundaries in configs:
+        model = make()
+        pipe = PipelineParallel(model, mesh, schedule=schedule, num_microbatches=4, boundaries=boundaries)
+        if mesh.pp_rank == 0:
+            assert not any(q.requires_grad for q in pipe.chunks[0].parameters())
+        compare(model, pipe, train_pipe(pipe, data), ref)
+        out.append(pipe.stats()["split"][mesh.pp_rank])
+    return out
+
+
+def test_frozen_first_chunk_sends_no_gradient_and_trains_like_one_process():
+    # 5 blocks (embed, 3 layers, head); chunk 0 is the frozen embedding alone in every config
+    configs = [("1f1b", [0, 1, 5]), ("zb-h1", [0, 1, 5]), ("zbv", [0, 1, 2, 4, 5])]
+    first, second = run(frozen_first_chunk_body, 2, configs)
+    assert first[0] is None and second[0] is None  # 1F1B: no split
+    assert first[1]["no_input_grad"] == 4 and first[1]["split"] == 0  # zb-h1: the frozen chunk 0
+    assert first[2]["no_input_grad"] == 4 and first[2]["split"] == 4  # zbv: chunk 0, and chunk 3 (the head)
+    # the chunk after the frozen one gets an input that needs no gradient: its B has nothing to compute
+    assert second[1]["no_input_grad"] == 4 and second[1]["split"] == 0  # zb-h1: chunk 1 on rank 1
+    assert second[2]["no_input_grad"] == 4 and second[2]["split"] == 4  # zbv: chunks 1 and 2 on rank 1

@@ -64,8 +64,10 @@ class _Incoming:
         self.expected = expected
         self.index = {key: i for i, key in enumerate(expected)}
         self.posted = 0  # receives [0, posted) are issued
-        self.frontier = 0  # one past the furthest message taken
-        self.slots: dict[int, tuple[torch.Tensor, comm.Handle] | None] = {}
+        # One past the furthest message taken, or skipped: a gradient that never comes (``_post_one``) is
+        # passed over as soon as it is known not to come, since nobody takes it.
+        self.frontier = 0
+        self.slots: dict[int, tuple[torch.Tensor, comm.Handle]] = {}  # posted, not yet taken
         # data[j]: data (non-meta) messages before j. Receives run ahead of need by one data message
         # (plus the handshakes before it): enough to overlap the transfer with compute, while 1F1B's
         # bound on live activations still holds.
@@ -198,8 +200,12 @@ class Links:
             assert not block, f"gradient {key} expected before its activation was sent"
             return False
         if key[0] == "grad" and not self.sent_meta[key[1]][2]:
-            inc.slots[inc.posted] = None  # the activation needed no gradient: no message comes back
+            # The activation needed no gradient (a frozen first chunk's output): no message comes back, and
+            # the stage does not ask for one (its B takes nothing), so the slot is passed over here. It must
+            # not hold the window (``limit``) either: the window moves only as messages are taken, so the
+            # slots after it -- the last of them at least -- would never be posted.
             inc.posted += 1
+            inc.frontier = max(inc.frontier, inc.posted)
             return True
         size = self._shape_of(inc, key, block)
         if size is None:
@@ -230,7 +236,7 @@ class Links:
         self.sends.clear()
         self.keep.clear()
         for inc in self.incoming.values():
-            if inc.posted != len(inc.expected) or any(s is not None for s in inc.slots.values()):
+            if inc.posted != len(inc.expected) or inc.slots:
                 raise RuntimeError(f"pipeline: messages from stage {inc.peer} left unconsumed at the end "
                                    f"of the step ({inc.posted}/{len(inc.expected)} posted)")
         self.wait_s += time.perf_counter() - start

@@ -45,8 +45,11 @@ and later ones added in place into an existing ``.grad``, such as a view of a fl
 ``register_post_accumulate_grad_hook`` hooks fire once per parameter per (chunk, micro-batch). Each value
 W computes comes from the same node, inputs and saved tensors as in the full backward, so gradients are
 bit-identical to 1F1B's. One difference remains: W is several autograd
-calls (one per group), so a hook that waits for "the end of the backward" (``queue_callback``) sees
-several ends.
+calls (one per group) and direct accumulations outside any autograd call, so autograd's "end of the
+backward" (``Variable._execution_engine.queue_callback``) fires several times during one W, and cannot even
+be asked for from a hook the direct path fires (torch raises outside a backward). A hook that must act once
+when all of a micro-batch's weight gradients are in (ZeRO-2 ending its reduction round) asks this module's
+:func:`queue_callback` first: while a W runs, the callback runs once, when that W has finished.
 
 When the input needs no gradient (the first stage's token ids), B is empty and W is the whole backward.
 """
@@ -57,6 +60,20 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+# While a WeightPass runs: the callbacks to run once it has finished (``queue_callback``); None otherwise.
+# A plain global, not thread-local: on CUDA autograd runs the hooks on its device threads.
+_pass_callbacks: list | None = None
+
+
+def queue_callback(fn) -> bool:
+    """Run ``fn()`` once when the W now running has finished (all its autograd calls and direct
+    accumulations), as autograd's ``queue_callback`` does at the end of a backward; False when no W is
+    running (the caller then falls back on autograd's own, inside a backward)."""
+    if _pass_callbacks is None:
+        return False
+    _pass_callbacks.append(fn)
+    return True
 
 
 @dataclass
@@ -148,6 +165,20 @@ class WeightPass:
         return sum(g.direct is not None for g in self._groups) if self._groups is not None else 0
 
     def run(self) -> None:
+        """Accumulate the weight gradients, then run what hooks queued with :func:`queue_callback` (once,
+        whether W took one autograd call, several, or none). As at the end of a failed backward, a W that
+        raises drops them."""
+        global _pass_callbacks
+        outer, _pass_callbacks = _pass_callbacks, []
+        try:
+            self._accumulate()
+            done = _pass_callbacks
+        finally:
+            _pass_callbacks = outer
+        for fn in done:
+            fn()
+
+    def _accumulate(self) -> None:
         if self._full is not None:  # B was empty: W is the whole backward
             y, grad = self._full
             self._full = None

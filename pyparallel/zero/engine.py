@@ -299,12 +299,41 @@ class ShardEngine:
             o, n = lay.offsets[i], lay.numels[i]
             self._live[g][o:o + n].add_(p.grad.reshape(-1))
             p.grad = None
-        if not self._round:
+        opened = not self._round
+        if opened:
             self._round, self._next = True, 0
             self._ready = [[False] * len(lay.params) for lay in self.layouts]
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
         self._ready[g][i] = True
         self._launch_ready()
+        if opened:
+            self._queue_end_round()
+
+    def _queue_end_round(self) -> None:
+        """Arrange for the round just opened to end once every gradient of its backward is in.
+
+        A round is one accumulation of each parameter: ``_launch_ready`` launches a bucket once and moves
+        on, so a second gradient into a launched bucket within a round would be lost. Normally the round is
+        one autograd backward (one micro-batch) and ends in autograd's final callback. A zero-bubble W
+        (``pipeline_parallel.split``) is one autograd call per weight group plus accumulations outside
+        autograd (the "direct W", where autograd's ``queue_callback`` raises), so there the round is the
+        whole W of one (chunk, micro-batch) and ends when the W does (``split.queue_callback``); ending it at
+        each autograd call would reduce-scatter every bucket once per weight group.
+
+        Why not the alternatives: deferring to the step as stages 1/3 do needs the full gradient, which
+        stage 2 does not keep (that memory is what it saves); ending a round when its buckets are complete
+        does not work either, since a W fills only its own chunk's buckets and early W's (run while a stage
+        waits for a message) come in an order that differs between DP replicas. With one round per W, the
+        rounds per step are fixed by the schedule and each reduces every bucket in group order, so all DP
+        ranks issue the same collectives whatever order their W's ran in. A gradient accumulated outside any
+        backward and any W (an ``AccumulateGrad`` node called by hand) is a round of its own, ended now."""
+        from pyparallel.pipeline_parallel import split  # lazily: nothing else here needs the pipeline package
+
+        if split.queue_callback(self._end_round):
+            return
+        if torch._C._current_graph_task_id() != -1:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
+            return
+        self._end_round()
 
     def _launch_ready(self) -> None:
         # Strictly in group order, so every rank issues the same sequence of collectives.
