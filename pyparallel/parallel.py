@@ -134,7 +134,7 @@ def _check_pipeline(model, mesh, schedule: str, m: int, v: int) -> None:
     blocks, _ = partition.to_blocks(model)
     schedules.check_schedule(schedule, mesh.pp, v)
     schedules.check_config(schedule, mesh.pp, m, v)
-    partition.plan_chunks(blocks, mesh.pp, v, None)
+    partition.plan_chunks(blocks, mesh.pp, schedules.chunks_per_stage(schedule, v), None)
 
 
 def _local_params(pipe, infos, ties, mesh):

@@ -164,7 +164,9 @@ def preflight(args) -> None:
         v = 2 if args.schedule == "interleaved" else 1
         schedules.check_schedule(args.schedule, args.pp, v)
         schedules.check_config(args.schedule, args.pp, args.micro_batches or args.pp, v)
-        partition.plan_chunks(partition.to_blocks(model)[0], args.pp, v, None)
+        # ZBV holds two chunks per rank whatever v says: a model needs 2 * pp blocks for it.
+        partition.plan_chunks(partition.to_blocks(model)[0], args.pp, schedules.chunks_per_stage(args.schedule, v),
+                              None)
     # Node-local checkpoints are found (and their model checked) by all ranks together, in train().
     if args.resume and args.checkpoint_dir and args.checkpoint_storage == "shared":
         folder, _ = resume_folder(args.checkpoint_dir)

@@ -188,6 +188,48 @@ def test_frozen_block_sequence_parallel_trains_as_one_process():
     assert run(sp_frozen_body, 2)[0] > 4
 
 
+def unfreeze_body(kind):
+    """Gradual unfreezing after the split (tensor_parallel.parallelize): replicated parameters whose
+    gradient is a partial sum per rank -- sequence-parallel LayerNorms, Qwen3's q_norm / k_norm -- were
+    frozen when split, then trained. Their sums over the TP group must be there once they train."""
+    mesh = pyparallel.init(tp=2)
+    if kind == "gpt-sp":
+        model, frozen = GPT(gpt_config("tiny", **TINY), seed=0).double(), ("ln_1", "ln_2", "ln_f")
+    else:
+        model, frozen = hf_model("qwen3").double(), ("q_norm", "k_norm")
+        model.loss_function = _double_loss
+    _freeze(model, frozen)
+    serial = copy.deepcopy(model)
+    parallelize(model, mesh, sequence_parallel=kind == "gpt-sp")
+    out = []
+    for m in (serial, model):
+        losses = []
+        for phase in range(2):  # frozen, then everything trains
+            if phase:
+                for p in m.parameters():
+                    p.requires_grad_(True)
+            opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+            for idx, tgt in batches(4, B, 12)[2 * phase:2 * phase + 2]:
+                loss = m(idx, tgt) if kind == "gpt-sp" else m(input_ids=idx, labels=idx).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        out.append(losses)
+    torch.testing.assert_close(torch.tensor(out[1], dtype=torch.float64), torch.tensor(out[0], dtype=torch.float64))
+    full, ref = full_parameters(model), dict(serial.named_parameters())
+    changed = 0
+    for name, p in full.items():
+        torch.testing.assert_close(p, ref[name].detach(), msg=lambda m, name=name: f"{name}: {m}")
+        changed += any(f in name for f in frozen)
+    return changed
+
+
+@pytest.mark.parametrize("kind", ["gpt-sp", "qwen3"])
+def test_parameters_unfrozen_after_the_split_train_as_one_process(kind):
+    assert run(unfreeze_body, 2, kind)[0] >= 4
+
+
 # --------------------------------------------------------------------------- ids outside the vocabulary
 
 V = 67  # padded to 68 at tp=2: id 67 is a padding row, and no rank owns 70

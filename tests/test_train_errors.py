@@ -43,6 +43,7 @@ BAD = [
     (["--nprocs", "3", "--tp", "2"], "--nprocs 3 is not divisible by --tp 2 x --pp 1"),
     (["--micro-batches", "0"], "--micro-batches must be >= 1"),
     (["--pp", "8", "--nprocs", "8", "--batch", "8", "--micro-batches", "8"], "the model has only 4 blocks"),
+    (["--pp", "4", "--nprocs", "4", "--schedule", "zbv"], "8 chunks"),  # ZBV: two chunks per rank
     (["--pp", "2", "--schedule", "interleaved", "--micro-batches", "3", "--batch", "6"],
      "to be a multiple of the number of pipeline stages (2)"),
     (["--seq", "0"], "--seq must be >= 1"),
@@ -53,7 +54,13 @@ BAD = [
 
 
 @pytest.mark.parametrize("argv,phrase", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, phrase):
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, argv, phrase):
+    import pyparallel
+
+    def no_spawn(*a, **k):
+        raise AssertionError("the mistake was not caught before spawning the ranks")
+
+    monkeypatch.setattr(pyparallel, "launch", no_spawn)
     _files(tmp_path)
     argv = [a.format(tmp=tmp_path) for a in argv]
     status = train_mod.main([*COMMON, *argv])

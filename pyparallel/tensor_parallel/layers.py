@@ -41,12 +41,12 @@ from pyparallel.tensor_parallel.mappings import (
     SharedInput,
     _gather,
     _reduce_scatter,
-    allreduce_grad_hook,
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sequence,
+    register_allreduce_grad_hook,
     scatter_to_tp,
     start_reduce_scatter,
 )
@@ -442,7 +442,7 @@ class RowParallelLinear(nn.Module):
                     self.bias.copy_(b)
         if sequence_parallel and self.bias is not None:
             # Added on 1/t of the tokens: each rank's bias gradient is a partial sum.
-            self.bias.register_hook(allreduce_grad_hook(self.group))
+            register_allreduce_grad_hook(self.bias, self.group)
 
     @classmethod
     def from_linear(cls, module: nn.Module, mesh, **kwargs) -> RowParallelLinear:

@@ -276,3 +276,18 @@ def allreduce_grad_hook(group: comm.Group):
         return grad
 
     return hook
+
+
+def register_allreduce_grad_hook(param: torch.Tensor, group: comm.Group) -> None:
+    """``param.register_hook(allreduce_grad_hook(group))``, on a frozen parameter too.
+
+    torch refuses a hook on a tensor that does not require grad, but a frozen parameter may be unfrozen
+    later (gradual unfreezing); without its hook each rank would then train on its own partial sum, the TP
+    ranks drifting apart silently. So the flag is lifted for the registration and put back; the hook stays
+    on the tensor and fires once it has a gradient again."""
+    frozen = not param.requires_grad
+    param.requires_grad_(True)
+    try:
+        param.register_hook(allreduce_grad_hook(group))
+    finally:
+        param.requires_grad_(not frozen)

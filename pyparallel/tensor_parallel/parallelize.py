@@ -26,7 +26,7 @@ from pyparallel.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from pyparallel.tensor_parallel.mappings import allreduce_grad_hook, gather_from_tp, scatter_to_sequence
+from pyparallel.tensor_parallel.mappings import gather_from_tp, register_allreduce_grad_hook, scatter_to_sequence
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
@@ -285,8 +285,7 @@ def _wire_sequence_parallel(model, mesh) -> None:
     for name, module in model.named_modules():
         if isinstance(module, nn.LayerNorm) and (name.startswith("blocks.") or name.startswith("head.")):
             for p in module.parameters():
-                if p.requires_grad:  # a frozen one has no gradient to sum (and register_hook refuses it)
-                    p.register_hook(allreduce_grad_hook(group))
+                register_allreduce_grad_hook(p, group)  # frozen ones too: they may be unfrozen later
 
 
 def full_parameters(model: nn.Module, grad: bool = False) -> dict[str, torch.Tensor]:

@@ -175,13 +175,12 @@ def _sum_head_norm_grads(module: nn.Module, t: int, name: str) -> None:
     """Qwen3Attention: q_norm / k_norm (RMSNorm over head_dim, replicated) are applied to this rank's heads
     only, so each rank's gradient of their weight is a partial sum over heads: all-reduce it over TP."""
     from pyparallel.tensor_parallel.layers import ColumnParallelLinear
-    from pyparallel.tensor_parallel.mappings import allreduce_grad_hook
+    from pyparallel.tensor_parallel.mappings import register_allreduce_grad_hook
 
     group = next(m.group for m in module.modules() if isinstance(m, ColumnParallelLinear))
     for norm in ("q_norm", "k_norm"):
         for p in getattr(module, norm).parameters():
-            if p.requires_grad:  # a frozen one has no gradient to sum (and register_hook refuses it)
-                p.register_hook(allreduce_grad_hook(group))
+            register_allreduce_grad_hook(p, group)  # frozen ones too: they may be unfrozen later
 
 
 ATTENTION_FIXES = {
