@@ -10,8 +10,10 @@ every step. Megatron-LM (``--manual-gc``) and torchtitan (``training.gc_freq``) 
 collector off and collect at the same point of every rank's loop for this reason.
 
 * :func:`held`: the collector off for a block, restored after (blocks nest). ``PipelineParallel.step``
-  runs its schedule inside one: a collection that falls due mid-schedule runs after the step's flush, when
-  every stage has drained, instead of stalling the stages downstream of the paused one.
+  runs its schedule inside one, and ``ParallelModel.step`` its whole step (ZeRO-3's gather, the pipeline,
+  the optimizer's collectives): a collection that falls due mid-step runs after it, when every rank has
+  drained, instead of stalling the ranks that wait on the paused one. A user's own loop calling
+  ``forward_backward`` and ``optimizer.step()`` separately gets the first two only.
 * :class:`StepCollector`: for a training loop (``pyparallel train --gc-every``). It collects once, then
   freezes the objects alive after setup (``gc.freeze``: the model, torch's and the libraries' own objects,
   which outlive the loop anyway and which later collections then no longer walk), turns the automatic

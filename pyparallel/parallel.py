@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from pyparallel import amp, materialize
+from pyparallel import amp, collector, materialize
 from pyparallel.combined.layout import describe, tp_owners
 from pyparallel.combined.pipe import StagePipeline
 from pyparallel.data_parallel.ddp import check_same_signature
@@ -79,7 +79,11 @@ def _vocab_loss(group, vocab_size):
     columns is refused, not scored against a -inf logit."""
     from pyparallel.tensor_parallel import vocab_parallel_cross_entropy
 
-    def loss(logits, targets):  # targets kept in their shape: an error names a [row, position]
+    def loss(logits, targets):
+        if logits.shape[:-1] != targets.shape and logits.shape[:-1].numel() == targets.numel():
+            # a head with its own layout ([b * s, V/t] for [b, s] targets): flat, as one process's loss
+            logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        # otherwise in their shape, so that an error names a [row, position]
         return vocab_parallel_cross_entropy(logits, targets, group, vocab_size=vocab_size)
 
     return loss
@@ -108,22 +112,17 @@ def _tensor_parallel(model, mesh, tp_plan, loss_fn):
     return loss_fn
 
 
-def _token_vocab(model, ours: bool) -> tuple[int | None, int | None, bool]:
-    """(vocabulary of the input ids, of the targets, whether targets= are token ids) that a step checks its
-    batch against, where the pipeline's own check (``PipelineParallel._check_tokens``, on the unsplit
-    embedding) does not reach: the targets, since the pipeline is handed our loss function, and the layers
-    split by tensor parallelism, where an id outside the vocabulary is no longer an IndexError but a zero
-    embedding or a zero logit. Read from the layers (the split ones know the real vocabulary, on meta too);
+def _token_vocab(model, ours: bool) -> tuple[int | None, bool]:
+    """(vocabulary of the targets, whether targets= are token ids) that a step checks its batch against.
+    The pipeline checks the input ids itself, on every stage (``PipelineParallel._check_tokens``), but not
+    the targets: it is handed our loss function. Under TP the real vocabulary comes from the split (the
+    padded logits have more columns, and an id outside it is no longer an IndexError but a zero logit);
     None: nothing to check. targets= are token ids only for the built-in loss (``ours``); a user's loss_fn
     may take anything."""
     from pyparallel.pipeline_parallel.partition import to_blocks, token_vocab
-    from pyparallel.tensor_parallel.layers import VocabParallelEmbedding
 
     tp = getattr(model, "_pyparallel_tp", None)
-    if tp is None:
-        return None, token_vocab(to_blocks(model)[0])[1], ours
-    embed = next((m.num_embeddings for m in model.modules() if isinstance(m, VocabParallelEmbedding)), None)
-    return embed, tp["vocab_size"], ours
+    return (token_vocab(to_blocks(model)[0])[1] if tp is None else tp["vocab_size"]), ours
 
 
 def _check_pipeline(model, mesh, schedule: str, m: int, v: int) -> None:
@@ -296,21 +295,22 @@ class ParallelModel:
         # Local checks first (the same on every rank of a replica), then the TP ranks' shapes, so that a bad
         # batch is a ValueError on every rank before any collective.
         self.pipe._validate(inputs, targets, self.pipe.num_microbatches, labels, attention_mask)
-        self._check_tokens(inputs, targets, labels)
+        self._check_tokens(targets, labels)
         self._check_batch(inputs, targets if labels is None else labels, attention_mask)
-        self.engine.begin_step()  # ZeRO-3: gather this stage's weights (once per step)
-        return self.pipe.step(inputs, targets, labels=labels, attention_mask=attention_mask)
+        with collector.held():  # no rank pauses for a collection between collectives (collector.py)
+            self.engine.begin_step()  # ZeRO-3: gather this stage's weights (once per step)
+            return self.pipe.step(inputs, targets, labels=labels, attention_mask=attention_mask)
 
-    _token_vocab: tuple[int | None, int | None, bool] = (None, None, False)
+    _token_vocab: tuple[int | None, bool] = (None, False)
 
-    def _check_tokens(self, inputs, targets, labels) -> None:
-        """Ids outside the vocabulary that the pipeline's own check does not see (``_token_vocab``): a
-        ValueError on every rank of the replica (they all hold this batch) before any collective. The split
-        layers check too, but on their own stage only: with pp > 1 the other stages would wait for it."""
+    def _check_tokens(self, targets, labels) -> None:
+        """Labels, and targets of the built-in loss, outside the vocabulary (``_token_vocab``): a ValueError
+        on every rank of the replica (they all hold this batch) before any collective. The loss checks too,
+        but on the last stage only: with pp > 1 the other stages would wait for it."""
         from pyparallel.data.tokens import check_batch_tokens
 
-        embed, vocab, targets_are_ids = self._token_vocab
-        check_batch_tokens(inputs, targets if targets_are_ids else None, labels, embed, vocab)
+        vocab, targets_are_ids = self._token_vocab
+        check_batch_tokens(None, targets if targets_are_ids else None, labels, None, vocab)
 
     _MAX_DIMS = 6
 
@@ -347,8 +347,9 @@ class ParallelModel:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor | None = None, *, labels: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None) -> float:
         """Forward, backward and optimizer step; returns the global mean loss (same on every rank)."""
-        loss = self.forward_backward(inputs, targets, labels=labels, attention_mask=attention_mask)
-        self.optimizer.step()
+        with collector.held():  # the optimizer's step has collectives too (ZeRO's gathers, the norm)
+            loss = self.forward_backward(inputs, targets, labels=labels, attention_mask=attention_mask)
+            self.optimizer.step()
         self.optimizer.zero_grad()
         return loss
 

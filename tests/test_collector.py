@@ -120,3 +120,30 @@ def test_no_collection_starts_inside_a_pipeline_step(schedule):
         assert starts["in"] == 0, starts
         assert starts["out"] > 0  # the probe sees collections: they ran between the steps
         assert enabled
+
+
+def parallel_step_body():
+    """``ParallelModel.step`` (ZeRO-3 over dp = 2): the collector is off in the weight gather, the pipeline
+    and the optimizer's step (each has collectives), and back on after the step."""
+    mesh = pyparallel.init(dp=2)
+    cfg, make = tiny_gpt(2)
+    pm = pyparallel.parallelize(make(), mesh, zero_stage=3, lr=1e-2)
+    seen = []
+
+    def spy(name, fn):
+        def wrapped(*a, **k):
+            seen.append((name, gc.isenabled()))
+            return fn(*a, **k)
+        return wrapped
+
+    pm.engine.begin_step = spy("gather", pm.engine.begin_step)
+    pm.optimizer.step = spy("optimizer", pm.optimizer.step)
+    idx, tgt = gpt_data(cfg)[0]
+    pm.step(*pyparallel.shard_batch((idx, tgt), mesh))
+    return seen, gc.isenabled()
+
+
+def test_parallel_model_step_holds_the_collector_throughout():
+    for seen, enabled in run(parallel_step_body, 2):
+        assert seen == [("gather", False), ("optimizer", False)]
+        assert enabled

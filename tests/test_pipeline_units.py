@@ -1,6 +1,8 @@
 """Pipeline pieces that need no processes (schedules, message order, partition, Hugging Face blocks),
 and Hugging Face parity on two stages."""
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -11,7 +13,7 @@ from test_pipeline import compare, gpt_data, reference, tiny_gpt, train_pipe
 import pyparallel
 from pyparallel.models.gpt import GPT, gpt_config
 from pyparallel.pipeline_parallel import PipelineParallel, schedules
-from pyparallel.pipeline_parallel.partition import balance, plan_chunks, to_blocks
+from pyparallel.pipeline_parallel.partition import balance, plan_chunks, to_blocks, token_vocab
 
 # -------------------------------------------------------------------------------- no processes needed
 
@@ -192,3 +194,21 @@ def hf_body(kind, schedule):
 def test_hf_parity():
     assert run(hf_body, 2, "llama", "1f1b") == [1, 1]  # tied embeddings across the two stages
     assert run(hf_body, 2, "gpt2", "gpipe") == [1, 1]
+
+
+def test_token_vocab_reads_the_input_embedding_the_head_and_the_positions():
+    """What every stage checks a batch against: the token embedding (not the position table), the LM head,
+    the learned positions; a vocabulary-split embedding still gives the whole vocabulary."""
+    from models import hf_model
+
+    from pyparallel.tensor_parallel.layers import VocabParallelEmbedding
+
+    gpt = GPT(gpt_config("tiny", **{**TINY, "vocab_size": 70}))
+    assert token_vocab(to_blocks(gpt)[0]) == (70, 70, 16)
+    assert token_vocab(to_blocks(hf_model("gpt2", vocab=66))[0]) == (66, 66, 32)
+    assert token_vocab(to_blocks(hf_model("llama", vocab=66))[0]) == (66, 66, None)  # rotary: no table
+    assert token_vocab(to_blocks(nn.Sequential(nn.Embedding(9, 4), nn.Linear(4, 9)))[0]) == (None, None, None)
+    group = types.SimpleNamespace(size=2, rank=0, name="tp", ranks=(0, 1))  # the split itself needs no group
+    mesh = types.SimpleNamespace(tp=2, tp_rank=0, tp_group=group, device=torch.device("cpu"))
+    gpt.embed.wte = VocabParallelEmbedding.from_embedding(gpt.embed.wte, mesh)
+    assert token_vocab(to_blocks(gpt)[0])[0] == 70

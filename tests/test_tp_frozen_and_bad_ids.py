@@ -337,3 +337,26 @@ def test_tp_and_pp_refuse_on_every_stage():
     for it in a send or receive. The batch check raises on all four ranks instead."""
     got = run(pipeline_bad_label_body, 4, deadline_s=120)
     assert len(set(got)) == 1 and got[0].startswith("label 67 at position (1, 6) ")
+
+
+def flat_head_body():
+    """parallelize's vocabulary-parallel loss takes logits in the targets' layout, or flattened to
+    [tokens, V/t] (a head with its own layout), as one process's cross-entropy does; shapes that do not
+    hold the same number of tokens are still refused."""
+    from pyparallel.parallel import _vocab_loss
+
+    mesh = pyparallel.init(tp=2)
+    loss = _vocab_loss(mesh.tp_group, V)
+    full = torch.randn(2, 5, 68, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    full[..., V:] = float("-inf")  # the padding column scores nothing
+    mine = full[..., 34 * mesh.tp_rank:34 * (mesh.tp_rank + 1)]
+    target = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(4))
+    shaped, flat = loss(mine, target), loss(mine.reshape(10, 34), target)
+    ref = nn.functional.cross_entropy(full[..., :V].reshape(10, V), target.reshape(-1))
+    return float(shaped), float(flat), float(ref), _message(lambda: loss(mine.reshape(5, 2, 34)[:4], target))
+
+
+def test_vocab_loss_takes_flat_logits_as_one_process():
+    for shaped, flat, ref, bad in run(flat_head_body, 2):
+        assert shaped == pytest.approx(ref, rel=1e-12) and flat == pytest.approx(ref, rel=1e-12)
+        assert "disagree on the leading (token) dimensions" in bad

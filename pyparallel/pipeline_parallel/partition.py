@@ -71,15 +71,17 @@ def _blocks(model) -> tuple[list[nn.Module], Callable | None]:
 
 def token_vocab(blocks: Sequence[nn.Module]) -> tuple[int | None, int | None, int | None]:
     """``(input ids, target ids, positions)``: the vocabulary of a language model's token embedding, of its
-    LM head, and its number of learned positions, read from the unsplit layers of the built-in GPT's or a
-    Hugging Face model's first and last block (None where there is no such layer, or it is split by
-    tensor parallelism: ``ParallelModel`` checks those). The batch is checked against them on every stage
-    (``PipelineParallel._validate``), since the lookups and the loss run on one stage each."""
+    LM head, and its number of learned positions, read from the built-in GPT's or a Hugging Face model's
+    first and last block; None where there is no such layer. An embedding split by vocabulary still knows
+    the whole vocabulary; a split LM head does not (``ParallelModel`` checks targets against the real
+    one). The batch is checked against them on every stage (``PipelineParallel._validate``), since the
+    lookups and the loss run on one stage each."""
     from pyparallel.models.gpt import Embedding, Head
     from pyparallel.pipeline_parallel.adapters import HFEmbedding, HFHead
+    from pyparallel.tensor_parallel.layers import VocabParallelEmbedding
 
     def rows(m):
-        return m.num_embeddings if isinstance(m, nn.Embedding) else None
+        return m.num_embeddings if isinstance(m, (nn.Embedding, VocabParallelEmbedding)) else None
 
     first, last = blocks[0], blocks[-1]
     ids = positions = out = None

@@ -65,8 +65,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     logits [..., V/t], target [...] of global token ids; ``reduction`` is "mean" (over targets that are not
     ``ignore_index``), "sum" or "none". ``vocab_size``: the real vocabulary when the split one is padded
     (columns from it on are excluded); None: every column is a token. A target that is neither
-    ``ignore_index`` nor in ``[0, vocab_size)`` is a ValueError (one process's IndexError), before any
-    collective: no rank's slice holds it, so it would be read as a logit of 0."""
+    ``ignore_index`` nor in ``[0, vocab_size)`` is refused before any collective, as one process's
+    IndexError: no rank's slice holds it, so it would be read as a logit of 0. On the CPU a ValueError; on
+    an accelerator a device-side assert without a host sync (``data.tokens.check_token_ids``)."""
     vocab = vocab_size if vocab_size is not None else logits.shape[-1] * group.size
     check_token_ids(target, vocab, "vocab_parallel_cross_entropy: target", ignore_index=ignore_index)
     return _cross_entropy(logits, target, group, ignore_index, reduction, vocab_size)
