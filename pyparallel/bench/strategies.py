@@ -119,10 +119,10 @@ class Pipeline(Adapter):
             from pyparallel.tensor_parallel import parallelize, vocab_parallel_cross_entropy
 
             model = parallelize(model, self.mesh)
-            group = self.mesh.tp_group
+            group, vocab = self.mesh.tp_group, model._pyparallel_tp["vocab_size"]
 
-            def loss_fn(logits, targets):  # the head's logits stay split by vocabulary
-                return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), group)
+            def loss_fn(logits, targets):  # the head's logits stay split by vocabulary (padded past vocab)
+                return vocab_parallel_cross_entropy(logits.flatten(0, -2), targets.flatten(), group, vocab_size=vocab)
 
         v = self.spec.virtual
         self.pipe = PipelineParallel(model, self.mesh, schedule=self.spec.schedule, num_microbatches=self.m,
