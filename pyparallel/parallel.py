@@ -34,6 +34,8 @@ instead (data parallelism alone).
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn as nn
 
@@ -294,12 +296,13 @@ class ParallelModel:
             inputs = inputs.to(self.engine.compute_dtype)
         # Local checks first (the same on every rank of a replica), then the TP ranks' shapes, so that a bad
         # batch is a ValueError on every rank before any collective.
-        self.pipe._validate(inputs, targets, self.pipe.num_microbatches, labels, attention_mask)
+        m = self.pipe.num_microbatches
+        aligned = self.pipe._validate(inputs, targets, m, labels, attention_mask)
         self._check_tokens(targets, labels)
         self._check_batch(inputs, targets if labels is None else labels, attention_mask)
         with collector.held():  # no rank pauses for a collection between collectives (collector.py)
             self.engine.begin_step()  # ZeRO-3: gather this stage's weights (once per step)
-            return self.pipe.step(inputs, targets, labels=labels, attention_mask=attention_mask)
+            return self.pipe._step(inputs, aligned, m, attention_mask, time.perf_counter())  # validated above
 
     _token_vocab: tuple[int | None, bool] = (None, False)
 

@@ -157,6 +157,28 @@ def test_frozen_layers_train_as_one_process_at_tp2(kind):
         assert torch.equal(full[name].double(), p), name
 
 
+def _train(m, data, forward, **adamw):
+    """AdamW over ``m``'s trainable parameters, one step per batch; the losses."""
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, **adamw)
+    losses = []
+    for idx, tgt in data:
+        loss = forward(m, idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _assert_as_one_process(model, serial, out):
+    """Losses ``out = [serial's, model's]`` and every gathered parameter equal; the gathered parameters."""
+    torch.testing.assert_close(torch.tensor(out[1], dtype=torch.float64), torch.tensor(out[0], dtype=torch.float64))
+    full, ref = full_parameters(model), dict(serial.named_parameters())
+    for name, p in full.items():
+        torch.testing.assert_close(p, ref[name].detach(), msg=lambda m, name=name: f"{name}: {m}")
+    return full
+
+
 def sp_frozen_body():
     """tensor_parallel.parallelize with sequence parallelism, frozen block 0, plain torch AdamW."""
     mesh = pyparallel.init(tp=2)
@@ -165,21 +187,9 @@ def sp_frozen_body():
     serial = copy.deepcopy(model)
     start = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     parallelize(model, mesh, sequence_parallel=True)
-    out = []
-    for m in (serial, model):
-        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-        losses = []
-        for idx, tgt in batches(STEPS, B, 12):
-            loss = m(idx, tgt)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        out.append(losses)
-    torch.testing.assert_close(torch.tensor(out[1], dtype=torch.float64), torch.tensor(out[0], dtype=torch.float64))
-    full, ref = full_parameters(model), dict(serial.named_parameters())
-    for name, p in full.items():
-        torch.testing.assert_close(p, ref[name].detach(), msg=lambda m, name=name: f"{name}: {m}")
+    out = [_train(m, batches(STEPS, B, 12), lambda m, idx, tgt: m(idx, tgt), weight_decay=0.1)
+           for m in (serial, model)]
+    full = _assert_as_one_process(model, serial, out)
     assert all(torch.equal(full[n], p) for n, p in start.items())
     return len(start)
 
@@ -201,28 +211,17 @@ def unfreeze_body(kind):
     _freeze(model, frozen)
     serial = copy.deepcopy(model)
     parallelize(model, mesh, sequence_parallel=kind == "gpt-sp")
+    def forward(m, idx, tgt):
+        return m(idx, tgt) if kind == "gpt-sp" else m(input_ids=idx, labels=idx).loss
+
     out = []
     for m in (serial, model):
-        losses = []
-        for phase in range(2):  # frozen, then everything trains
-            if phase:
-                for p in m.parameters():
-                    p.requires_grad_(True)
-            opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-            for idx, tgt in batches(4, B, 12)[2 * phase:2 * phase + 2]:
-                loss = m(idx, tgt) if kind == "gpt-sp" else m(input_ids=idx, labels=idx).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-        out.append(losses)
-    torch.testing.assert_close(torch.tensor(out[1], dtype=torch.float64), torch.tensor(out[0], dtype=torch.float64))
-    full, ref = full_parameters(model), dict(serial.named_parameters())
-    changed = 0
-    for name, p in full.items():
-        torch.testing.assert_close(p, ref[name].detach(), msg=lambda m, name=name: f"{name}: {m}")
-        changed += any(f in name for f in frozen)
-    return changed
+        losses = _train(m, batches(4, B, 12)[:2], forward)  # frozen
+        for p in m.parameters():
+            p.requires_grad_(True)
+        out.append(losses + _train(m, batches(4, B, 12)[2:], forward))  # then everything trains
+    full = _assert_as_one_process(model, serial, out)
+    return sum(any(f in name for f in frozen) for name in full)
 
 
 @pytest.mark.parametrize("kind", ["gpt-sp", "qwen3"])

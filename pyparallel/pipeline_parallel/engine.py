@@ -261,6 +261,10 @@ class PipelineParallel:
         start = time.perf_counter()
         m = num_microbatches or self.num_microbatches
         targets = self._validate(inputs, targets, m, labels, attention_mask)
+        return self._step(inputs, targets, m, attention_mask, start)
+
+    def _step(self, inputs, targets, m, attention_mask, start) -> float:
+        """``step`` once ``_validate`` has passed (``targets`` aligned with the outputs)."""
         self._last_m = m
         dev = self.mesh.device
         mb_inputs = microbatches(inputs.to(dev), m) if self.is_first else None
