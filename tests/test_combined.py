@@ -134,26 +134,29 @@ def test_zero_bubble_schedules_inside_parallelize():
     run(layouts_body, 4, configs)
 
 
-def _count_calls(obj, name):
-    """A list that grows by one at each call of ``obj.name`` from now on."""
-    calls, fn = [], getattr(obj, name)
+def _record_launches(reducer):
+    """A list that gets the bytes of each reduce-scatter ``reducer`` launches from now on."""
+    sizes, fn = [], reducer.launch
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return fn(*args, **kwargs)
+    def launch(full, target, *args, **kwargs):
+        sizes.append(full.numel() * full.element_size())
+        return fn(full, target, *args, **kwargs)
 
-    setattr(obj, name, counted)
-    return calls
+    reducer.launch = launch
+    return sizes
 
 
-def zero2_zb_body(configs):
-    """Each config: (dp, pp, schedule, frozen embedding). ZeRO-2 under a zero-bubble schedule, where a W
-    accumulates weight gradients outside autograd (split.py's direct W) and over several autograd calls:
+def zero2_rounds_body(configs):
+    """Each config: (dp, pp, schedule, virtual stages, frozen embedding). ZeRO-2 under a pipeline, where a
+    round is one micro-batch's backward of one chunk, or under a zero-bubble schedule one whole W (which
+    accumulates weight gradients outside autograd, split.py's direct W, and over several autograd calls):
     5 clipped AdamW steps against one process (the norm before clipping would double if a gradient were
-    reduced twice), and per step exactly one reduce-scatter per bucket for each (chunk, micro-batch) whose
-    backward gives this rank a gradient."""
+    reduced twice), and per step each flat group reduce-scattered exactly once per micro-batch: one pass
+    over the stage's gradient per micro-batch, in reduce-scatters and in bytes, also with two chunks per
+    rank (a round reduces only its own chunk's buckets, never the other chunk's as zeros)."""
     out = []
-    for dp, pp, schedule, frozen in configs:
+    m = 4
+    for dp, pp, schedule, v, frozen in configs:
         def make(frozen=frozen):
             model = gpt(tie_embeddings=not frozen)
             if frozen:  # chunk 0 is the embedding alone: no gradient crosses boundary 0
@@ -162,27 +165,51 @@ def zero2_zb_body(configs):
 
         ref = reference(make, clip=0.05)
         mesh = pyparallel.init(dp=dp, pp=pp)
-        pm = pyparallel.parallelize(make(), mesh, zero_stage=2, num_microbatches=4, schedule=schedule,
-                                    clip_grad_norm=0.05, lr=LR, weight_decay=WD, loss_fn=ce, bucket_cap_mb=1e-3)
-        launches = _count_calls(pm.engine.reducer, "launch")
+        pm = pyparallel.parallelize(make(), mesh, zero_stage=2, num_microbatches=m, schedule=schedule,
+                                    virtual_stages=v, clip_grad_norm=0.05, lr=LR, weight_decay=WD, loss_fn=ce,
+                                    bucket_cap_mb=1e-3)
+        engine = pm.engine
+        sizes = _record_launches(engine.reducer)
         losses, norms = train(pm)
         compare(pm, ref, losses, norms)
-        trained = sum(any(q.requires_grad for q in ch.parameters()) for ch in pm.pipe.chunks.values())
-        assert len(launches) == STEPS * 4 * trained * len(pm.engine.layouts), (len(launches), trained)
-        out.append((trained, len(pm.engine.layouts)))
+        layouts = engine.layouts
+        stage_grad_bytes = sum(lay.padded for lay in layouts) * 8  # float64
+        assert len(sizes) == STEPS * m * len(layouts), (len(sizes), len(layouts))
+        assert sum(sizes) == STEPS * m * stage_grad_bytes, (sum(sizes), stage_grad_bytes)
+        chunks = pm.pipe.chunks
+        trained = sum(any(q.requires_grad for q in ch.parameters()) for ch in chunks.values())
+        if len(chunks) > 1:  # no bucket mixes chunks: each holds the parameters of one set of local chunks
+            for lay in layouts:
+                holders = {frozenset(c for c, ch in chunks.items() if any(q is p for q in ch.parameters()))
+                           for p in lay.params}
+                assert len(holders) == 1, lay.names
+            assert sorted(g for order in engine.rounds.values() for g in order) == list(range(len(layouts)))
+        else:
+            assert engine.rounds is None
+        out.append((trained, len(layouts), sum(sizes) // STEPS))
     return out
 
 
 def test_zero2_under_zero_bubble_schedules():
     """ZeRO-2 reduce-scatters each bucket as its W completes it, once per (chunk, micro-batch)."""
-    configs = [(1, 2, "zb-h1", False), (1, 2, "zbv", False), (1, 2, "zbv", True)]
-    held = run(zero2_zb_body, 2, configs)
+    configs = [(1, 2, "zb-h1", 1, False), (1, 2, "zbv", 2, False), (1, 2, "zbv", 2, True)]
+    held = run(zero2_rounds_body, 2, configs)
     assert held[0][2][0] == 1 and held[1][2][0] == 2  # frozen: rank 0 trains only the head's chunk
-    assert all(n > 1 for rank in held for _, n in rank)  # several buckets: each one's round is checked
+    assert all(n > 1 for rank in held for _, n, _ in rank)  # several buckets: each one's round is checked
 
 
 def test_zero2_zbv_over_data_parallel():
-    run(zero2_zb_body, 4, [(2, 2, "zbv", False)])
+    """DP2 x PP2 under ZBV: early W's run in an order that differs between the replicas; each round's
+    reduce-scatters still go out at its W's place in the list, so both replicas issue the same ones."""
+    held = run(zero2_rounds_body, 4, [(2, 2, "zbv", 2, False)])
+    assert all(rank[0][0] == 2 for rank in held)  # two trained chunks per rank, one pass of traffic
+
+
+def test_zero2_interleaved_over_data_parallel():
+    """DP2 x PP2 interleaved with two chunks per rank (the tied embedding and head on different stages):
+    one round per chunk's backward, reducing only that chunk's buckets."""
+    held = run(zero2_rounds_body, 4, [(2, 2, "interleaved", 2, False)])
+    assert all(rank[0][0] == 2 for rank in held)
 
 
 def tp_pp_clip_body():

@@ -27,12 +27,13 @@ def save_body(root):
     return first + rest
 
 
-def load_body(root, again, dp, tp, pp, zero):
-    """Load into another layout (from a model with other weights), re-save, continue."""
+def load_body(root, again, dp, tp, pp, zero, schedule="1f1b"):
+    """Load into another layout (from a model with other weights), re-save, continue. Under "zbv" at ZeRO-2
+    each rank's buckets are formed per chunk (two per rank): the pieces are per parameter all the same."""
     mesh = pyparallel.init(dp=dp, tp=tp, pp=pp)
     other = GPT(gpt_config("tiny", **TINY), seed=123).to(torch.float64)
-    pm = pyparallel.parallelize(other, mesh, zero_stage=zero, num_microbatches=2, lr=0.5, weight_decay=WD,
-                                loss_fn=None if tp > 1 else ce)
+    pm = pyparallel.parallelize(other, mesh, zero_stage=zero, num_microbatches=2, schedule=schedule, lr=0.5,
+                                weight_decay=WD, loss_fn=None if tp > 1 else ce)
     meta = checkpoint.load(root, pm, pm.optimizer)
     assert meta["step"] == SAVE_AT and meta["extra"] == {"from": "dp2xtp2"} and meta["layout"]["tp"] == 2
     assert pm.optimizer.param_groups[0]["lr"] == LR  # hyper-parameters come back too
@@ -55,7 +56,7 @@ def test_reshard_round_trips(tmp_path):
     torch.testing.assert_close(torch.tensor(uninterrupted, dtype=torch.float64),
                                torch.tensor(ref_losses, dtype=torch.float64))
     want = torch.tensor(uninterrupted[SAVE_AT:], dtype=torch.float64)
-    for name, layout in [("dp4", (4, 1, 1, 2)), ("dp2pp2", (2, 1, 2, 2))]:
+    for name, layout in [("dp4", (4, 1, 1, 2)), ("dp2pp2", (2, 1, 2, 2)), ("dp2pp2zbv", (2, 1, 2, 2, "zbv"))]:
         again = str(tmp_path / name)
         losses = run(load_body, 4, root, again, *layout)[0]
         same_checkpoints(root, again)

@@ -356,7 +356,9 @@ class PipelineParallel:
         turn) are handed over locally. Under a zero-bubble schedule, a stage about to block on a message
         that has not arrived first runs deferred W's whose B has run (which ones: below), so the weight
         gradients fill the wait; W sends nothing, so the message order (and hence
-        every receive) is unchanged.
+        every receive) is unchanged. What an early W queued for its own place in the list
+        (``split.queue_in_place``: ZeRO-2's reduce-scatters) runs when the list reaches it, so collectives
+        over the data-parallel group stay at the same points of the list on every replica.
 
         Which W's may go early: the first pending W of a chunk whose B has run, unless a chunk it shares a
         parameter with (ZBV's tied embedding and head, both on rank 0) has a W pending before it in the
@@ -368,6 +370,7 @@ class PipelineParallel:
         pending = [a for a in actions if a.kind == "W"]  # list order
         shares = self._shared_chunks()
         early: set = set()
+        in_place: dict = {}  # early W -> what it left to run at its place in the list (split.queue_in_place)
         self._early_w = 0
 
         def next_early():
@@ -384,7 +387,7 @@ class PipelineParallel:
                 if a is None:
                     break
                 pending.remove(a)
-                compute.weight(a.chunk, a.mb)
+                in_place[a] = compute.weight(a.chunk, a.mb, early=True)
                 early.add(a)
                 self._early_w += 1
             return links.take(peer, key)
@@ -395,6 +398,8 @@ class PipelineParallel:
                 if a not in early:
                     pending.remove(a)
                     compute.weight(c, i)
+                for fn in in_place.pop(a, ()):  # an early W's work that belongs at its place (ZeRO-2's round)
+                    fn()
             elif a.kind == "F":
                 if c == 0:
                     x = mb_inputs[i]

@@ -56,6 +56,7 @@ When the input needs no gradient (the first stage's token ids), B is empty and W
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,10 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 # While a WeightPass runs: the callbacks to run once it has finished (``queue_callback``); None otherwise.
 # A plain global, not thread-local: on CUDA autograd runs the hooks on its device threads.
 _pass_callbacks: list | None = None
+# While the pipeline runs one chunk's backward or W (``running``): that chunk, and, for a W run ahead of its
+# place in the action list (an early W), the callbacks to run when the schedule reaches that place.
+_chunk: int | None = None
+_in_place: list | None = None
 
 
 def queue_callback(fn) -> bool:
@@ -73,6 +78,37 @@ def queue_callback(fn) -> bool:
     if _pass_callbacks is None:
         return False
     _pass_callbacks.append(fn)
+    return True
+
+
+@contextmanager
+def running(chunk: int, early: bool = False):
+    """The pipeline runs chunk ``chunk``'s backward or W inside this (``running_chunk``). ``early``: a W run
+    ahead of its place in the action list; yields the list of what :func:`queue_in_place` asked for, which
+    the pipeline runs when it reaches that place (None when not early)."""
+    global _chunk, _in_place
+    outer = _chunk, _in_place
+    _chunk, _in_place = chunk, ([] if early else None)
+    try:
+        yield _in_place
+    finally:
+        _chunk, _in_place = outer
+
+
+def running_chunk() -> int | None:
+    """The chunk whose backward or W runs now (None outside the pipeline's ``running``)."""
+    return _chunk
+
+
+def queue_in_place(fn) -> bool:
+    """Run ``fn()`` when the schedule reaches the place in the action list of the W now running ahead of it
+    (an early W, which runs when the stage would otherwise wait for a message, so at a point that differs
+    between data-parallel replicas); False when no early W is running (the caller then acts now: it is at
+    its place). ZeRO-2 issues a round's reduce-scatters there, so that every replica issues them at the
+    same point of the same list (``zero.engine``)."""
+    if _in_place is None:
+        return False
+    _in_place.append(fn)
     return True
 
 

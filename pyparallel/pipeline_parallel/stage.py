@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from pyparallel.pipeline_parallel import split as split_mod
 from pyparallel.pipeline_parallel.split import backward_input, param_nodes_of
 from pyparallel.tensor_parallel import random as tp_random
 
@@ -212,10 +213,11 @@ class StageCompute:
         if self.split:
             self.split_counts["full_checkpointed"] += 1
         if y.requires_grad:
-            if grad is None:
-                torch.autograd.backward(y)
-            else:
-                torch.autograd.backward(y, grad)
+            with split_mod.running(c):  # the chunk whose gradients these are (ZeRO-2's rounds, zero/engine.py)
+                if grad is None:
+                    torch.autograd.backward(y)
+                else:
+                    torch.autograd.backward(y, grad)
         self._spent("B", c, time.perf_counter() - start)
         if c == 0 or not x.requires_grad:
             return None
@@ -225,14 +227,18 @@ class StageCompute:
         """Whether B of (c, mb) has run, so its W may run."""
         return (c, mb) in self.pending_w
 
-    def weight(self, c: int, mb: int) -> None:
-        """W of chunk ``c`` on micro-batch ``mb``: accumulate its weight gradients, free its graph."""
+    def weight(self, c: int, mb: int, early: bool = False) -> list:
+        """W of chunk ``c`` on micro-batch ``mb``: accumulate its weight gradients, free its graph.
+        ``early``: it runs ahead of its place in the action list; returns what must run when the schedule
+        reaches that place (``split.queue_in_place``; empty otherwise)."""
         wpass = self.pending_w.pop((c, mb), None)
         if wpass is None:  # not split (checkpointed chunk, or a schedule without W): B did everything
-            return
+            return []
         start = time.perf_counter()
-        wpass.run()
+        with split_mod.running(c, early) as in_place:
+            wpass.run()
         self._spent("W", c, time.perf_counter() - start)
+        return in_place or []
 
     @property
     def weight_s(self) -> float:

@@ -88,12 +88,16 @@ class ShardEngine:
     ``named``: [(ParamInfo, parameter)] of this rank; ``layouts``: its trainable parameters' flat groups
     (already padded for the DP degree); ``options`` / ``group_of``: the user's parameter groups
     (``groups.resolve``); ``optimizer_cls`` / ``defaults``: the element-wise optimizer and its arguments.
+    ``rounds``: stage 2 under a pipeline with several chunks per rank: pipeline chunk -> the flat groups
+    (in order) that a reduction round of that chunk reduces (``_open_round``); None: every round reduces
+    every group.
     """
 
     def __init__(self, named, layouts: list[FlatLayout], cfg: EngineConfig, *, group: comm.Group,
                  check_group: comm.Group, device: torch.device, optimizer_cls, defaults: dict,
                  options: list[dict], group_of: dict[str, int], tie_groups=(), dp_owner: bool = True,
-                 scaler: DynamicLossScaler | None = None, per_unit: bool = False):
+                 scaler: DynamicLossScaler | None = None, per_unit: bool = False,
+                 rounds: dict[int, list[int]] | None = None):
         if cfg.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE)}; got {cfg.nonfinite!r}")
         self.cfg, self.stage, self.group, self.check_group, self.device = cfg, cfg.stage, group, check_group, device
@@ -115,6 +119,11 @@ class ShardEngine:
                                  f"{layouts[g].split}")
         self.dp_owner = dp_owner or self.stage >= 1
         self.per_unit = per_unit  # stage 3 with a UnitGatherer binding the parameters
+        self.rounds = rounds
+        if rounds is not None:
+            covered = sorted(g for order in rounds.values() for g in order)
+            if covered != list(range(len(layouts))):
+                raise ValueError(f"rounds must name every flat group exactly once, got {rounds}")
         self.sync = True
         self.steps = 0
         self.last_grad_norm: float | None = None
@@ -241,6 +250,8 @@ class ShardEngine:
         self._clean = [True] * len(self.layouts)
         self._ready = [[False] * len(lay.params) for lay in self.layouts]
         self._round, self._next = False, 0
+        self._order = list(range(len(self.layouts)))  # the flat groups the current round reduces, in order
+        self._deferred = False  # the current round's reduce-scatters wait for its place in the list
         self._pending_full = False  # stages 0/1/3-per-step: accumulated gradients not yet reduced
 
     def accumulating_params(self) -> set[int]:
@@ -301,12 +312,38 @@ class ShardEngine:
             p.grad = None
         opened = not self._round
         if opened:
-            self._round, self._next = True, 0
-            self._ready = [[False] * len(lay.params) for lay in self.layouts]
+            self._open_round()
         self._ready[g][i] = True
         self._launch_ready()
         if opened:
             self._queue_end_round()
+
+    def _open_round(self) -> None:
+        """A reduction round starts (its first gradient is in). Which flat groups it reduces: all of them,
+        or, with several pipeline chunks per rank (``rounds``), those of the chunk whose backward or W this
+        is (``split.running_chunk``): its own buckets and the shared buckets it is the designated reducer
+        of (``parallel._round_plan``); a gradient into another group stays in that group's bucket for
+        that group's next round. Every round of a chunk reduces the same groups in the same order.
+
+        When it runs ahead of its place in the action list (an early W, ``split.queue_in_place``), the
+        reduce-scatters are issued at that place instead: early W's run while a stage waits for a message,
+        so in an order across chunks that differs between DP replicas, but the list is the same on every
+        replica, and so is the sequence of collectives issued at its places. Until then the gradients
+        stay in the buckets, where a later W of the same chunk adds its own (one sum, sent by the first of
+        the rounds to reach its place; the later ones send what has come in since)."""
+        from pyparallel.pipeline_parallel import split  # lazily: nothing else here needs the pipeline package
+
+        self._round, self._next = True, 0
+        self._ready = [[False] * len(lay.params) for lay in self.layouts]
+        self._order, self._deferred = list(range(len(self.layouts))), False
+        if self.rounds is not None:
+            chunk = split.running_chunk()
+            if chunk not in self.rounds:
+                raise RuntimeError(f"a gradient of a chunk that has no reduction round on this rank (chunk "
+                                   f"{chunk}; rounds for chunks {sorted(self.rounds)}): ZeRO-2 with several "
+                                   f"chunks per rank reduces only inside the pipeline's backward and W passes")
+            order = self._order = self.rounds[chunk]
+            self._deferred = split.queue_in_place(lambda: self._launch_round(order))
 
     def _queue_end_round(self) -> None:
         """Arrange for the round just opened to end once every gradient of its backward is in.
@@ -321,11 +358,13 @@ class ShardEngine:
 
         Why not the alternatives: deferring to the step as stages 1/3 do needs the full gradient, which
         stage 2 does not keep (that memory is what it saves); ending a round when its buckets are complete
-        does not work either, since a W fills only its own chunk's buckets and early W's (run while a stage
-        waits for a message) come in an order that differs between DP replicas. With one round per W, the
-        rounds per step are fixed by the schedule and each reduces every bucket in group order, so all DP
-        ranks issue the same collectives whatever order their W's ran in. A gradient accumulated outside any
-        backward and any W (an ``AccumulateGrad`` node called by hand) is a round of its own, ended now."""
+        does not work either, since early W's (run while a stage waits for a message) come in an order that
+        differs between DP replicas. With one round per W or backward, the rounds per step are fixed by the
+        schedule, and all DP ranks issue the same collectives whatever order their W's ran in: with one chunk
+        per rank every round reduces every group; with several, a round reduces its chunk's groups and an
+        early W's reduce-scatters wait for its place in the list (``_open_round``). A gradient accumulated
+        outside any backward and any W (an ``AccumulateGrad`` node called by hand) is a round of its own,
+        ended now."""
         from pyparallel.pipeline_parallel import split  # lazily: nothing else here needs the pipeline package
 
         if split.queue_callback(self._end_round):
@@ -336,10 +375,19 @@ class ShardEngine:
         self._end_round()
 
     def _launch_ready(self) -> None:
-        # Strictly in group order, so every rank issues the same sequence of collectives.
-        while self._next < len(self.layouts) and all(self._ready[self._next]):
-            self._launch(self._next)
+        # Strictly in the round's group order, so every rank issues the same sequence of collectives.
+        if self._deferred:
+            return
+        order = self._order
+        while self._next < len(order) and all(self._ready[order[self._next]]):
+            self._launch(order[self._next])
             self._next += 1
+
+    def _launch_round(self, order: list[int]) -> None:
+        """A deferred round's reduce-scatters, at its place in the pipeline's action list."""
+        for g in order:
+            self._launch(g)
+        self.reducer.drain()
 
     def _launch(self, g: int) -> None:
         target = self.space.slice(self.grad_shard, g)
@@ -358,6 +406,8 @@ class ShardEngine:
     def _end_round(self) -> None:
         """End of backward: launch what is left (parameters without a gradient count as zero), wait."""
         self._round = False
+        if self._deferred:  # issued at the W's place in the list (_open_round)
+            return
         for ready in self._ready:
             ready[:] = [True] * len(ready)
         self._launch_ready()
@@ -413,6 +463,10 @@ class ShardEngine:
                     self._launch(g)
         self.reducer.drain()
         self._pending_full = False
+        if self.rounds is not None and any(live is not None for live in self._live):
+            left = [self.layouts[g].names[0] for g, live in enumerate(self._live) if live is not None]
+            raise RuntimeError(f"ZeRO-2: gradients of flat groups starting at {left} were never reduce-scattered "
+                               f"(no round of their designated chunk came after them this step)")
         for g, group in self.tie_groups:  # each stage keeps the sum of its part of the slice
             target = self._full_views[g] if self.stage == 0 else self.space.slice(self.grad_shard, g)
             comm.reduce_scatter_in_place(target, group, op="sum")
