@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from pyparallel import amp, collector, materialize
+from pyparallel.combined import buckets
 from pyparallel.combined.layout import describe, tp_owners
 from pyparallel.combined.pipe import StagePipeline
 from pyparallel.data_parallel.ddp import check_same_signature
@@ -49,7 +50,6 @@ from pyparallel.pipeline_parallel.schedules import SPLIT_BACKWARD
 from pyparallel.zero import accumulate, pieces
 from pyparallel.zero import groups as groups_mod
 from pyparallel.zero.engine import NONFINITE, EngineConfig, ShardEngine
-from pyparallel.zero.flat_param import FlatLayout
 from pyparallel.zero.optimizer import ShardOptimizer
 
 ParallelOptimizer = ShardOptimizer  # the optimizer of a ParallelModel (one facade for every sharded model)
@@ -131,7 +131,7 @@ def _token_vocab(model, ours: bool) -> tuple[int | None, bool]:
 def _check_pipeline(model, mesh, schedule: str, m: int, v: int) -> None:
     """The pipeline's configuration errors (schedule, micro-batches, blocks per chunk), raised here before
     the model check; the pipeline's constructor then starts with collectives (handshakes, tied weights)."""
-    from pyparallel.pipeline_parallel import partition, schedules
+    from pyparallel.pipeline_parallel import partition
 
     blocks, _ = partition.to_blocks(model)
     schedules.check_schedule(schedule, mesh.pp, v)
@@ -151,64 +151,6 @@ def _local_params(pipe, infos, ties, mesh):
                 info.counted = info.counted and mesh.pp_rank == info.tie_stages[0]
         named.append((info, p))
     return named
-
-
-def _layouts(named, tie_groups, world: int, cap_bytes: int, elem: int, group_of: dict, n_groups: int,
-             users: dict[int, frozenset] | None = None):
-    """This stage's flat groups: each cross-stage tied weight alone (the same layout on every stage holding
-    it), then gradient buckets of the rest, each ordered by parameter group. ``users``: id(parameter) -> the
-    local pipeline chunks holding it, when a bucket must not mix chunks (ZeRO-2 with several chunks per rank,
-    ``_round_plan``): the buckets are then formed per set of chunks, each chunk's own first (in chunk order),
-    then those of parameters two chunks share (ZBV's tied embedding and head, both on rank 0)."""
-    trainable = [(info.name, p) for info, p in named if p.requires_grad]
-    if not trainable:
-        raise ValueError("this pipeline stage has no trainable parameters: nothing to optimize")
-    tied = [(n, p) for n, p in trainable if id(p) in tie_groups]
-    rest = [(n, p) for n, p in trainable if id(p) not in tie_groups]
-    # split: the stages holding a tied weight each update a part of every slice (ShardEngine)
-    layouts = [FlatLayout([n], [p], world, split=tie_groups[id(p)].size) for n, p in tied]
-    ties = [(g, tie_groups[id(p)]) for g, (_, p) in enumerate(tied)]
-    if users is None:
-        sets = [rest] if rest else []
-    else:
-        keys = sorted({users[id(p)] for _, p in rest}, key=lambda k: (len(k), sorted(k)))
-        sets = [[(n, p) for n, p in rest if users[id(p)] == k] for k in keys]
-    for part in sets:
-        layouts += groups_mod.grouped_buckets(part, cap_bytes, world, elem, group_of, n_groups)
-    return layouts, ties
-
-
-def _chunk_users(pipe) -> dict[int, frozenset]:
-    """id(parameter) -> the local pipeline chunks that hold it."""
-    out: dict[int, set] = {}
-    for c, chunk in pipe.chunks.items():
-        for p in chunk.parameters():
-            out.setdefault(id(p), set()).add(c)
-    return {k: frozenset(v) for k, v in out.items()}
-
-
-def _round_plan(pipe, layouts, users: dict[int, frozenset], schedule: str) -> dict[int, list[int]]:
-    """ZeRO-2 with several chunks per rank: local chunk -> the flat groups its reduction rounds reduce
-    (``ShardEngine._open_round``). A group of one chunk's parameters is reduced by that chunk's rounds; a
-    group whose parameters several local chunks hold (each group holds parameters of one set of chunks,
-    ``_layouts``) by the rounds of the one among them whose round comes last in the action list, so its
-    last round finds every micro-batch's gradients in (a round reduces what its groups have accumulated;
-    the other chunks' rounds leave it there). A round is a W, or a backward when it is not split (no
-    zero-bubble schedule, or a checkpointed chunk). So each group is reduce-scattered once per micro-batch:
-    one pass over the stage's gradient per micro-batch, as with one chunk per rank."""
-    split_w = schedule in SPLIT_BACKWARD
-    actions = schedules.build(schedule, pipe.rank, pipe.p, pipe.num_microbatches, pipe.v)
-    last: dict[int, int] = {}  # chunk -> position of its last round in the list
-    for pos, a in enumerate(actions):
-        ckpt = pipe.chunks[a.chunk].activation_checkpointing
-        if a.kind == ("W" if split_w and not ckpt else "B"):
-            last[a.chunk] = pos
-    trained = sorted({c for lay in layouts for p in lay.params for c in users[id(p)]})
-    rounds: dict[int, list[int]] = {c: [] for c in trained}
-    for g, lay in enumerate(layouts):
-        holders = set().union(*(users[id(p)] for p in lay.params))
-        rounds[max(holders, key=lambda c: last[c])].append(g)
-    return rounds
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, param_dtype=None,
@@ -289,11 +231,11 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, zero_stage: int = 0, pa
     # ZeRO-2 reduces once per micro-batch's backward (or W) of a chunk: with several chunks per rank, each
     # bucket holds one chunk's parameters (or those of a set of chunks sharing them) and a chunk's rounds
     # reduce its own buckets only (docs/pipeline.md, "ZeRO-2 keeps no full gradient").
-    users = _chunk_users(pipe) if zero_stage == 2 and len(pipe.chunks) > 1 else None
-    layouts, tie_groups = _layouts(named, {k: g for k, (g, _) in ties.items()}, world,
+    users = buckets.chunk_users(pipe) if zero_stage == 2 and len(pipe.chunks) > 1 else None
+    layouts, tie_groups = buckets.stage_layouts(named, {k: g for k, (g, _) in ties.items()}, world,
                                    max(1, int(bucket_cap_mb * 2**20)), torch.empty((), dtype=compute).element_size(),
                                    group_of, len(options), users)
-    rounds = _round_plan(pipe, layouts, users, schedule) if users is not None else None
+    rounds = buckets.round_plan(pipe, layouts, users, schedule) if users is not None else None
     # torch's own implementation choices (foreach/fused/...) are respected when given.
     fuse = not any(k in kwargs for k in ("foreach", "fused", "capturable", "differentiable"))
     cfg = EngineConfig(stage=zero_stage, compute_dtype=compute, reduce_dtype=reduce, master_dtype=master,

@@ -322,7 +322,7 @@ class ShardEngine:
         """A reduction round starts (its first gradient is in). Which flat groups it reduces: all of them,
         or, with several pipeline chunks per rank (``rounds``), those of the chunk whose backward or W this
         is (``split.running_chunk``): its own buckets and the shared buckets it is the designated reducer
-        of (``parallel._round_plan``); a gradient into another group stays in that group's bucket for
+        of (``combined.buckets.round_plan``); a gradient into another group stays in that group's bucket for
         that group's next round. Every round of a chunk reduces the same groups in the same order.
 
         When it runs ahead of its place in the action list (an early W, ``split.queue_in_place``), the
