@@ -46,11 +46,19 @@ def adamw(model):
 # where the family has it, and a vocabulary the caller picks (e.g. GPT-2's 50257 for vocabulary padding).
 
 HF_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2")
+# More decoder families, each with what sets it apart from LLaMA around or inside its layers: Granite's
+# embedding, residual, attention and logit multipliers; Cohere's logit scale (and its tied embedding);
+# Gemma 3's scaled embedding, per-head q/k norms, sliding layers with their own rotary table; OLMo 2/3's
+# q/k norms over all heads (3: sliding layers, a rotary table per layer type); Starcoder2's biases and
+# GeLU MLP; EXAONE 4's and SmolLM3's layer types (SmolLM3: layers without rotary); StableLM's partial
+# rotary; GLM's fused gate/up; Mixtral's experts.
+HF_MORE = ("granite", "cohere", "gemma3_text", "olmo", "olmo2", "olmo3", "starcoder2", "exaone4", "smollm3",
+           "stablelm", "glm", "helium", "ministral", "seed_oss", "arcee", "mixtral")
 
 
 def hf_config(kind: str, *, hidden: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 64, layers: int = 2,
               **overrides):
-    """A tiny transformers config of family ``kind`` (one of :data:`HF_FAMILIES`)."""
+    """A tiny transformers config of family ``kind`` (one of :data:`HF_FAMILIES` or :data:`HF_MORE`)."""
     import transformers
 
     if kind == "gpt2":
@@ -62,11 +70,25 @@ def hf_config(kind: str, *, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
                   max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                   head_dim=hidden // heads, attention_dropout=0.0)
     classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-               "phi3": "Phi3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config"}
+               "phi3": "Phi3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "granite": "GraniteConfig",
+               "cohere": "CohereConfig", "gemma3_text": "Gemma3TextConfig", "olmo": "OlmoConfig",
+               "olmo2": "Olmo2Config", "olmo3": "Olmo3Config", "starcoder2": "Starcoder2Config",
+               "exaone4": "Exaone4Config", "smollm3": "SmolLM3Config", "stablelm": "StableLmConfig",
+               "glm": "GlmConfig", "helium": "HeliumConfig", "ministral": "MinistralConfig",
+               "seed_oss": "SeedOssConfig", "arcee": "ArceeConfig", "mixtral": "MixtralConfig"}
     extra = {"phi3": dict(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=32),
              "gemma2": dict(sliding_window=8, attn_implementation="eager"),
              "mistral": dict(sliding_window=None), "qwen2": dict(use_sliding_window=False),
-             "qwen3": dict(use_sliding_window=False)}.get(kind, {})
+             "qwen3": dict(use_sliding_window=False),
+             "granite": dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
+                             attention_multiplier=0.0625),
+             "cohere": dict(logit_scale=0.125),
+             "gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+             "olmo3": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+             "exaone4": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+             "smollm3": dict(no_rope_layer_interval=2), "stablelm": dict(partial_rotary_factor=0.5),
+             "ministral": dict(sliding_window=4), "seed_oss": dict(residual_dropout=0.0),
+             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)}.get(kind, {})
     if kind == "phi3":
         common.pop("head_dim")
     return getattr(transformers, classes[kind])(**{**common, **extra, **overrides})
@@ -80,8 +102,10 @@ def hf_model(kind: str, seed: int = 0, **config):
     torch.manual_seed(seed)
     if kind == "gpt2":
         return transformers.GPT2LMHeadModel(cfg)
+    # Mixtral's experts as a loop of matmuls: its default grouped GEMM takes no float64.
+    experts = {"experts_implementation": "eager"} if kind == "mixtral" else {}
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation
-                                                         if kind == "gemma2" else "sdpa")
+                                                         if kind == "gemma2" else "sdpa", **experts)
 
 
 def train_built_on_meta(args) -> dict:

@@ -8,25 +8,43 @@ stage slices from the batch it was given) instead of shipping them between stage
 holds no parameters, only an ``inv_freq`` buffer, and is shared by the wrappers). Positions are
 ``0..seq-1`` whatever the padding, as in the Hugging Face models' own forward when no ``position_ids``
 are passed. No KV cache: this is the training path.
+
+The blocks are only the model if nothing else happens around them. The causal LM's and its base model's
+``forward`` are read (:func:`pyparallel.source.self_reads`): every attribute of ``self`` they read must be
+one the blocks stand for (the embedding, layers, norm, head, rotary tables, masks), one they reproduce
+(below), or a switch that is off (Gemma 3's bidirectional attention, an MoE router's auxiliary loss);
+anything else refuses the model with a ValueError naming it, rather than training a different model
+without a word. Reproduced, with the meaning these reads have in the models that make them: Granite's
+embeddings x ``embedding_multiplier`` and logits / ``config.logits_scaling``, Cohere's logits x
+``logit_scale``, Starcoder2's dropout of ``embedding_dropout`` on the embeddings, Gemma 2's (and 3's)
+final logit soft-capping, and rotary tables per layer type (Gemma 3, OLMo 3).
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
 
+from pyparallel.source import self_reads
+
 
 class HFEmbedding(nn.Module):
-    """Token embedding (+ learned positions for GPT-2) (+ dropout): the first block."""
+    """Token embedding (+ learned positions for GPT-2) (x Granite's embedding multiplier) (+ dropout): the
+    first block."""
 
-    def __init__(self, tokens: nn.Module, positions: nn.Module | None, drop: nn.Module | None):
+    def __init__(self, tokens: nn.Module, positions: nn.Module | None, drop: nn.Module | None,
+                 multiplier: float | None = None):
         super().__init__()
-        self.tokens, self.positions, self.drop = tokens, positions, drop
+        self.tokens, self.positions, self.drop, self.multiplier = tokens, positions, drop, multiplier
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tokens(ids)
         if self.positions is not None:
             x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        if self.multiplier is not None:
+            x = x * self.multiplier
         return self.drop(x) if self.drop is not None else x
 
 
@@ -44,6 +62,8 @@ class HFDecoderLayer(nn.Module):
         # Not a registered submodule: it has no parameters, and registering it in every layer would
         # make it look shared between pipeline stages.
         self.__dict__["rotary"] = rotary
+        # Gemma 3 and OLMo 3 keep one rotary table per layer type (other bases or scalings for sliding layers).
+        self.typed_rotary = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -58,7 +78,8 @@ class HFDecoderLayer(nn.Module):
         kwargs = {}
         if self.rotary is not None:
             rot = self.rotary if x.device.type != "meta" else _meta_rotary(self.rotary)
-            kwargs = {"position_ids": pos, "position_embeddings": rot(x, position_ids=pos)}
+            table = rot(x, pos, self.kind) if self.typed_rotary else rot(x, position_ids=pos)
+            kwargs = {"position_ids": pos, "position_embeddings": table}
         out = self.layer(x, attention_mask=mask, use_cache=False, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
@@ -70,15 +91,21 @@ def _meta_rotary(rotary: nn.Module) -> nn.Module:
 
 
 class HFHead(nn.Module):
-    """Final norm + LM head (+ Gemma 2's final logit soft-capping, cap * tanh(logits / cap)): the last block.
-    The cap is element-wise, so it is the same on vocabulary-parallel logits."""
+    """Final norm + LM head (x Cohere's logit scale) (/ Granite's logits scaling) (+ Gemma 2's final logit
+    soft-capping, cap * tanh(logits / cap)): the last block. Each is element-wise, so it is the same on
+    vocabulary-parallel logits."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None = None):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None = None,
+                 scale: float | None = None, divisor: float | None = None):
         super().__init__()
-        self.norm, self.lm_head, self.softcap = norm, lm_head, softcap
+        self.norm, self.lm_head, self.softcap, self.scale, self.divisor = norm, lm_head, softcap, scale, divisor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(x))  # [b, s, h] @ [h, vocab] -> [b, s, vocab]
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.divisor is not None:
+            logits = logits / self.divisor
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -104,8 +131,57 @@ def layer_mask_kinds(config, n_layers: int) -> list[str]:
     return types
 
 
+# What the causal LM's and its base model's forwards may read from ``self`` around the blocks: the pieces the
+# blocks are made of, the mask and rotary inputs the decoder layers rebuild, and output plumbing.
+_STANDS_FOR = frozenset({
+    "config", "model", "transformer", "lm_head", "loss_function", "vocab_size", "config.vocab_size",
+    "embed_tokens", "wte", "wpe", "drop", "layers", "h", "norm", "ln_f", "rotary_emb", "config.num_hidden_layers",
+    "config.layer_types", "config.sliding_window", "has_sliding_layers", "gradient_checkpointing", "training",
+    "warn_if_padding_and_no_attention_mask", "config.use_cache", "config.output_attentions",
+    "config.output_hidden_states", "config.return_dict", "config.use_return_dict"})
+# What the blocks reproduce (HFEmbedding, HFHead).
+_REPRODUCED = frozenset({"embedding_multiplier", "embedding_dropout", "logit_scale", "config.logits_scaling",
+                         "config.final_logit_softcapping"})
+# Reads allowed while the config switch they belong to is off: what the switch turns on, the blocks do not do.
+_WHILE_OFF = {"config.use_bidirectional_attention": "use_bidirectional_attention",
+              "config.add_cross_attention": "add_cross_attention",
+              "config.output_router_logits": "output_router_logits", "num_experts": "output_router_logits",
+              "num_experts_per_tok": "output_router_logits", "router_aux_loss_coef": "output_router_logits"}
+
+
+def check_forwards(model: nn.Module, base: nn.Module, n_layers: int) -> set[str]:
+    """Refuse ``model`` (ValueError) when its or its base's forward reads from ``self`` something the blocks
+    neither stand for nor reproduce, or runs fewer layers than it holds; returns the reads."""
+    config = model.config
+    seen: set[str] = set()
+    for owner in (model, base):
+        cls = type(owner).__name__
+        reads = self_reads(type(owner))
+        if reads is None:
+            raise ValueError(f"cannot pipeline a {type(model).__name__}: the source of {cls}.forward cannot be "
+                             f"read, so nothing shows that the pipeline's blocks compute what it computes; pass "
+                             f"the model as an nn.Sequential or a list of blocks")
+        odd = [r for r in reads if r not in _STANDS_FOR and r not in _REPRODUCED
+               and not (r in _WHILE_OFF and not getattr(config, _WHILE_OFF[r], False))]
+        if odd:
+            on = sorted({_WHILE_OFF[r] for r in odd if r in _WHILE_OFF})
+            why = f" (on: config.{', config.'.join(on)})" if on else ""
+            raise ValueError(f"cannot pipeline a {type(model).__name__}: {cls}.forward reads "
+                             f"{', '.join('self.' + r for r in odd)}{why}, which the pipeline's blocks (embedding, "
+                             f"decoder layers, final norm + lm_head) do not reproduce, so the pipelined model "
+                             f"would compute something else; pass the model as an nn.Sequential or a list of "
+                             f"blocks that does")
+        seen |= set(reads)
+    declared = getattr(config, "num_hidden_layers", None)
+    if "config.num_hidden_layers" in seen and isinstance(declared, int) and declared < n_layers:
+        raise ValueError(f"cannot pipeline a {type(model).__name__}: it holds {n_layers} decoder layers but its "
+                         f"forward runs config.num_hidden_layers = {declared} of them")
+    return seen
+
+
 def hf_blocks(model) -> list[nn.Module] | None:
-    """The blocks of a Hugging Face causal LM, or None when ``model`` is not one we recognise."""
+    """The blocks of a Hugging Face causal LM, or None when ``model`` is not one we recognise; ValueError
+    when its forward does something around the blocks that they would not (:func:`check_forwards`)."""
     prefix = getattr(model, "base_model_prefix", None)
     base = getattr(model, prefix, None) if prefix else None
     head = getattr(model, "lm_head", None)
@@ -117,8 +193,19 @@ def hf_blocks(model) -> list[nn.Module] | None:
     if layers is None or tokens is None or norm is None:
         return None
     config = model.config
+    reads = check_forwards(model, base, len(layers))
+
+    def read(owner, attr):  # what the forward multiplies, divides or drops out by, where it reads it
+        return getattr(owner, attr.removeprefix("config."), None) if attr in reads else None
+
+    drop = getattr(base, "drop", None)
+    if read(base, "embedding_dropout"):  # Starcoder2: functional dropout, as a module in the model's mode
+        drop = nn.Dropout(read(base, "embedding_dropout"))
+        drop.train(base.training)
     rotary = getattr(base, "rotary_emb", None)
-    embed = HFEmbedding(tokens, getattr(base, "wpe", None), getattr(base, "drop", None))
+    embed = HFEmbedding(tokens, getattr(base, "wpe", None), drop, read(base, "embedding_multiplier"))
     kinds = layer_mask_kinds(config, len(layers))
     wrapped = [HFDecoderLayer(layer, config, rotary, kind) for layer, kind in zip(layers, kinds)]
-    return [embed, *wrapped, HFHead(norm, head, getattr(config, "final_logit_softcapping", None))]
+    head = HFHead(norm, head, getattr(config, "final_logit_softcapping", None), read(model, "logit_scale"),
+                  read(config, "config.logits_scaling"))
+    return [embed, *wrapped, head]

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from pyparallel.tensor_parallel.styles import STYLES, config_reads  # noqa: F401 (STYLES: the names a plan takes)
+from pyparallel.source import config_reads
+from pyparallel.tensor_parallel.styles import STYLES  # noqa: F401 (the names a plan takes)
 
 GPT_PLAN = {
     "embed.wte": "vocab",

@@ -14,22 +14,19 @@ Gemma, whose names are LLaMA's) is therefore checked against what the modules do
 * an attention module whose ``forward`` reads head counts from ``self.config`` (Phi-3's) is refused unless
   a fix gives it its own config with the local head counts (see ``plans.ATTENTION_FIXES``).
 
-The parent's ``forward`` is read with :mod:`ast` (what it does with ``self.<child>(...)``'s output), so the
-check covers classes pyparallel has never seen; a false alarm is a refusal, never a silent wrong model, and
-``"column_gather"`` (whose output is whole) or ``"replicate"`` always remain.
+The parent's ``forward`` is read with :mod:`ast` (:mod:`pyparallel.source`: what it does with
+``self.<child>(...)``'s output), so the check covers classes pyparallel has never seen; a false alarm is a
+refusal, never a silent wrong model, and ``"column_gather"`` (whose output is whole) or ``"replicate"``
+always remain.
 """
 
 from __future__ import annotations
-
-import ast
-import functools
-import inspect
-import textwrap
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pyparallel.source import output_cuts
 from pyparallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -37,69 +34,11 @@ from pyparallel.tensor_parallel.layers import (
     linear_weight,
 )
 
-_SPLITTERS = ("chunk", "split", "tensor_split", "unbind", "unflatten")
-
 
 def _need(name: str, value: int, what: str, t: int) -> None:
     if value % t:
         raise ValueError(f"{name}: {what} ({value}) is not divisible by the tensor-parallel degree tp={t}; "
                          f"choose a tp that divides {value}")
-
-
-@functools.cache
-def _forward_tree(cls: type) -> ast.AST | None:
-    forward = getattr(cls, "forward", None)
-    try:
-        return ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-
-
-def _is_self_call(node: ast.AST, attr: str) -> bool:
-    """``self.<attr>(...)``."""
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
-
-
-@functools.cache
-def output_cuts(cls: type, attr: str) -> tuple[str, ...]:
-    """How ``cls.forward`` cuts the output of ``self.<attr>(...)`` along features: ``.chunk``, ``.split``,
-    slicing, ``torch.chunk(...)``; empty when it does not (or the source cannot be read)."""
-    tree = _forward_tree(cls)
-    if tree is None:
-        return ()
-    held = set()  # variables assigned the output directly
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and _is_self_call(node.value, attr):
-            held |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-
-    def is_output(node):
-        return _is_self_call(node, attr) or (isinstance(node, ast.Name) and node.id in held)
-
-    cuts = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in _SPLITTERS and is_output(node.value):
-            cuts.append(f".{node.attr}(...)")
-        elif isinstance(node, ast.Subscript) and is_output(node.value):
-            cuts.append("slicing [...]")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SPLITTERS
-              and node.args and is_output(node.args[0])):
-            cuts.append(f"{node.func.attr}(...)")
-    return tuple(sorted(set(cuts)))
-
-
-@functools.cache
-def config_reads(cls: type) -> tuple[str, ...]:
-    """The attributes ``cls.forward`` reads as ``self.config.<attr>``."""
-    tree = _forward_tree(cls)
-    if tree is None:
-        return ()
-    found = set()
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "config"
-                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"):
-            found.add(node.attr)
-    return tuple(sorted(found))
 
 
 class Context:
