@@ -309,7 +309,9 @@ def test_parallelize_pp2_hf_labels_and_mask(kind):
     run(parallelize_body, 2, kind, [(1, 1, 2, 0, 4)])
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2", "gemma"])
+# Granite and Gemma 3 (built-in TP plans since they pipeline): scaled logits split by vocabulary, per-head q/k
+# norms and per-layer-type rotary tables inside TP stages.
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2", "gemma", "granite", "gemma3_text"])
 def test_parallelize_tp2pp2_and_dp2pp2_hf_labels_and_mask(kind):
     # dp2 x pp2: the replicas hold 14 and 8 target tokens (each replica's loss weighted by the global count);
     # ZeRO-1 on the DP axis.

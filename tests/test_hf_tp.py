@@ -86,6 +86,41 @@ def test_builtin_plan_t2(kind):
     assert "VocabParallelEmbedding" in kinds and "RowParallelLinear" in kinds
 
 
+# The families of tests/models.py's HF_MORE with a built-in plan: Granite's multipliers, Cohere's logit scale and
+# tied embedding, Gemma 3's and EXAONE 4's per-head q/k norms, Starcoder2's biased GeLU MLP, GLM's fused
+# gate/up, SmolLM3's layers without rotary, sliding layers.
+TP_MORE = ("granite", "cohere", "gemma3_text", "olmo", "starcoder2", "exaone4", "smollm3", "glm", "helium",
+           "ministral", "arcee")
+
+
+@pytest.mark.parametrize("kind", TP_MORE)
+def test_builtin_plan_t2_more_families(kind):
+    kinds = run(parity_body, 2, kind, {})[0]
+    assert "VocabParallelEmbedding" in kinds and "RowParallelLinear" in kinds and "ColumnParallelLinear" in kinds
+
+
+def test_norms_across_heads_are_refused():
+    """OLMo 2's q/k norms span all heads (RMSNorm over heads x head_dim), and Cohere's with use_qk_norm hold a
+    weight per head: a split by heads cannot compute them on one rank, so they are refused, with the LLaMA
+    plan too; the fix that sums Qwen 3's per-head norms' gradients refuses a norm that spans heads."""
+    from pyparallel.tensor_parallel.plans import _sum_head_norm_grads
+
+    for kind, extra in (("olmo2", {}), ("olmo3", {}), ("cohere", dict(use_qk_norm=True))):
+        model = hf_model(kind, **extra)
+        before = _unchanged(model)
+        with pytest.raises(ValueError, match="no built-in tensor-parallel plan" if kind != "cohere" else
+                           r"CohereAttention\) holds column-split projections and parameters the plan leaves "
+                           r"whole \(\['q_norm.weight', 'k_norm.weight'\]\)"):
+            parallelize(model, _fake_mesh(2))
+        with pytest.raises(ValueError, match=r"leaves whole \(\['q_norm.weight', 'k_norm.weight'\]\)"):
+            parallelize(model, _fake_mesh(2), LLAMA_PLAN)
+        assert _unchanged(model) == before
+    with pytest.raises(ValueError, match=r"q_norm.weight has shape \(32,\), not \(head_dim,\) = \(8,\): the norm "
+                                         r"spans heads"):
+        parallelize(hf_model("olmo2"), _fake_mesh(2), LLAMA_PLAN,
+                    attention_fixes={"Olmo2Attention": _sum_head_norm_grads})
+
+
 @pytest.mark.parametrize("kind", HF_FAMILIES)
 def test_builtin_plan_t4(kind):
     run(parity_body, 4, kind, dict(heads=8, kv_heads=4))  # 2 query heads and 1 KV head per rank
@@ -194,9 +229,10 @@ def test_embedding_subclass_and_scaled_check():
 def test_builtin_plans_per_family():
     from pyparallel.tensor_parallel.plans import detect
 
-    for kind in HF_FAMILIES:
+    for kind in (*HF_FAMILIES, *TP_MORE):
         plan = detect(hf_model(kind))
-        expected = {"gpt2": "gpt2", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma"}.get(kind, "llama")
+        expected = {"gpt2": "gpt2", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma", "gemma3_text": "gemma",
+                    "glm": "glm", "starcoder2": "starcoder2"}.get(kind, "llama")
         assert plan.family == expected, kind
     assert detect(hf_model("gemma")).styles == GEMMA_PLAN
 

@@ -24,9 +24,11 @@ refuses what it cannot split exactly (see :mod:`pyparallel.tensor_parallel.style
 ``"replicate"``         left as it is (excludes a module a broader pattern matched)
 ======================  ============================================================================
 
-Built-in plans: the built-in GPT (``pyparallel.models.gpt``), Hugging Face GPT-2, the LLaMA family (LLaMA,
-Mistral, Qwen2, Qwen3: q/k/v/gate/up column, o/down row; rotary embeddings act per head and need no
-change), Phi-3 (fused qkv and gate/up) and Gemma 1/2 (the LLaMA layout with a scaled embedding).
+Built-in plans: the built-in GPT (``pyparallel.models.gpt``), Hugging Face GPT-2, the LLaMA layout (LLaMA,
+Mistral, Qwen2, Qwen3, OLMo, Granite, Cohere, Helium, SmolLM3, Ministral, Arcee, EXAONE 4: q/k/v/gate/up
+column, o/down row; rotary embeddings act per head and need no change), Phi-3 (fused qkv and gate/up), GLM
+(LLaMA's attention, fused gate/up), Starcoder2 (c_fc column, c_proj row) and Gemma 1/2/3 (the LLaMA layout
+with a scaled embedding).
 """
 
 from __future__ import annotations
@@ -77,9 +79,22 @@ PHI3_PLAN = {
 
 GEMMA_PLAN = {**LLAMA_PLAN, "*embed_tokens": "scaled_vocab"}  # x sqrt(hidden) in the embedding's forward
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+GLM_PLAN = {**{k: v for k, v in LLAMA_PLAN.items() if "gate_proj" not in k and "up_proj" not in k},
+            "*layers.*.mlp.gate_up_proj": "gate_up"}  # LLaMA's attention, Phi-3's fused [gate; up]
+
+STARCODER2_PLAN = {**{k: v for k, v in LLAMA_PLAN.items() if ".mlp." not in k},
+                   "*layers.*.mlp.c_fc": "column", "*layers.*.mlp.c_proj": "row"}  # c_fc -> GeLU -> c_proj
+
+# The LLaMA layout under other names of model_type; what sets each apart stays inside modules the plan does
+# not split (Granite's multipliers, Cohere's logit scale, SmolLM3's layers without rotary), so each family's
+# own forward runs unchanged around the split layers (tests/test_hf_tp.py checks every one against one
+# process). Cohere with use_qk_norm (per-head LayerNorm weights) and OLMo 2/3 (q/k norms over all heads) are
+# refused by check_attention: their norms would need splitting or a cross-rank statistic.
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "olmo", "granite", "cohere", "helium", "smollm3",
+                "ministral", "arcee", "exaone4")
 HF_PLANS = {**{k: ("llama", LLAMA_PLAN) for k in LLAMA_FAMILY}, "phi3": ("phi3", PHI3_PLAN),
-            "gemma": ("gemma", GEMMA_PLAN), "gemma2": ("gemma", GEMMA_PLAN)}
+            "gemma": ("gemma", GEMMA_PLAN), "gemma2": ("gemma", GEMMA_PLAN), "gemma3_text": ("gemma", GEMMA_PLAN),
+            "glm": ("glm", GLM_PLAN), "starcoder2": ("starcoder2", STARCODER2_PLAN)}
 
 
 @dataclass
@@ -173,14 +188,20 @@ def local_head_config(module: nn.Module, t: int, name: str) -> None:
 
 
 def _sum_head_norm_grads(module: nn.Module, t: int, name: str) -> None:
-    """Qwen3Attention: q_norm / k_norm (RMSNorm over head_dim, replicated) are applied to this rank's heads
-    only, so each rank's gradient of their weight is a partial sum over heads: all-reduce it over TP."""
+    """Qwen3Attention (Gemma 3's, EXAONE 4's): q_norm / k_norm (RMSNorm over head_dim, replicated) are applied
+    to this rank's heads only, so each rank's gradient of their weight is a partial sum over heads:
+    all-reduce it over TP. A norm over more than one head (OLMo 2's, over all of them) is refused: its
+    statistic would span ranks."""
     from pyparallel.tensor_parallel.layers import ColumnParallelLinear
     from pyparallel.tensor_parallel.mappings import register_allreduce_grad_hook
 
     group = next(m.group for m in module.modules() if isinstance(m, ColumnParallelLinear))
     for norm in ("q_norm", "k_norm"):
-        for p in getattr(module, norm).parameters():
+        for pname, p in getattr(module, norm).named_parameters():
+            if p.shape != (module.head_dim,):
+                raise ValueError(f"{name}.{norm}.{pname} has shape {tuple(p.shape)}, not (head_dim,) = "
+                                 f"({module.head_dim},): the norm spans heads, which a split by heads cannot "
+                                 f"compute on one rank; replicate {name}")
             register_allreduce_grad_hook(p, group)  # frozen ones too: they may be unfrozen later
 
 
@@ -190,6 +211,8 @@ ATTENTION_FIXES = {
     "MistralAttention": None,
     "Qwen2Attention": None,
     "Qwen3Attention": _sum_head_norm_grads,
+    "Gemma3Attention": _sum_head_norm_grads,
+    "Exaone4Attention": _sum_head_norm_grads,
     "GemmaAttention": None,
     "Gemma2Attention": None,
     "Phi3Attention": local_head_config,
