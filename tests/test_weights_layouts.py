@@ -12,9 +12,9 @@ split matmuls) leaves nothing that Adam amplifies past them. ``init=`` must equa
 process exactly. Bad files are a ValueError naming the tensor, before any collective.
 
 Tolerances: float64's for the built-in GPT and GPT-2, which compute in float64 throughout. The RMSNorm families
-(LLaMA, Qwen2, Phi-3, Gemma) normalise in float32 whatever the model's dtype (transformers casts the hidden states
-to float32 inside RMSNorm), so another summation order leaves float32 rounding in them: those compare at
-float32's tolerances (assert_close's defaults for float32).
+(LLaMA, Qwen2, Phi-3, Gemma 1 and 3) normalise in float32 whatever the model's dtype (transformers casts the
+hidden states to float32 inside RMSNorm), so another summation order leaves float32 rounding in them: those
+compare at float32's tolerances (assert_close's defaults for float32).
 
 GPT-2 has a vocabulary of 67 (odd, like its 50257): tp=2 pads it to 128 rows. LLaMA and GPT-2 tie the embedding
 to the LM head (across the two stages under pp=2); Qwen2 has attention biases and an untied head.
@@ -41,7 +41,7 @@ from pyparallel.tensor_parallel import parallelize as tp_parallelize
 pytest.importorskip("transformers")
 
 STEPS, BATCH, LR = 3, 4, 1e-2
-VOCAB = {"gpt": 64, "llama": 64, "gpt2": 67, "qwen2": 64, "phi3": 64, "gemma": 64}
+VOCAB = {"gpt": 64, "llama": 64, "gpt2": 67, "qwen2": 64, "phi3": 64, "gemma": 64, "gemma3_text": 64}
 KINDS = ("gpt", "llama", "gpt2", "qwen2")
 
 
@@ -123,7 +123,7 @@ def check_equal(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[n], t), f"{what}: {n} differs (max {(got[n] - t).abs().max():.3g})"
 
 
-FP32_NORMS = ("llama", "qwen2", "phi3", "gemma")  # see the module docstring
+FP32_NORMS = ("llama", "qwen2", "phi3", "gemma", "gemma3_text")  # see the module docstring
 
 
 def check_close(losses, params: dict, ref, kind: str, what: str) -> None:
@@ -172,7 +172,8 @@ def tp_body(kind, path, ref):
     return True
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "phi3", "gemma"])  # + fused GQA qkv / gate_up; a scaled embedding
+# + fused GQA qkv / gate_up; a scaled embedding; Gemma 3's rotary tables per layer type rebuilt on the meta model
+@pytest.mark.parametrize("kind", [*KINDS, "phi3", "gemma", "gemma3_text"])
 def test_tensor_parallel_meta_model_with_weights_equals_one_process(kind, tmp_path):
     path = write(kind, str(tmp_path / kind))
     ref = reference(kind, path, labels=True)
