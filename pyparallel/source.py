@@ -88,3 +88,29 @@ def self_reads(cls: type) -> tuple[str, ...] | None:
         elif isinstance(node.value, ast.Attribute) and node.value.attr == "config" and _is_self(node.value.value):
             found.add(f"config.{node.attr}")
     return tuple(sorted(found))
+
+
+@functools.cache
+def layer_calls(cls: type, attrs: tuple[str, ...] = ("layers", "h")) -> tuple[tuple[tuple[str, ...], ...], ...] | None:
+    """How ``cls.forward`` calls the layers it loops over (``for layer in self.layers[...]`` or
+    ``enumerate(self.h)``): per call, the names each argument is built from, positional ones first, then
+    ``"<keyword>="`` per keyword (``"**"`` for a ``**kwargs`` unpack). None when the source cannot be read;
+    empty when it has no such loop."""
+    tree = forward_tree(cls)
+    if tree is None:
+        return None
+
+    def over_layers(node):
+        return any(isinstance(n, ast.Attribute) and n.attr in attrs and _is_self(n.value) for n in ast.walk(node))
+
+    calls = []
+    for loop in ast.walk(tree):
+        if not (isinstance(loop, ast.For) and over_layers(loop.iter)):
+            continue
+        targets = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+        for node in ast.walk(loop):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in targets:
+                args = [tuple(sorted({n.id for n in ast.walk(a) if isinstance(n, ast.Name)})) for a in node.args]
+                args += [(f"{k.arg}=",) if k.arg else ("**",) for k in node.keywords]
+                calls.append(tuple(args))
+    return tuple(calls)

@@ -146,8 +146,9 @@ def test_embedding_dropout_draws_as_the_model_does():
 
 def test_forward_reads_the_blocks_do_not_reproduce_are_refused():
     """What a causal LM's or its base model's forward does around the layers, the blocks must do too: a read
-    of ``self`` they do not know, a switch they do not implement turned on, or a forward that runs fewer
-    layers than the model holds is a ValueError naming it, never a pipeline of another model."""
+    of ``self`` they do not know, an input to the layers they do not rebuild, a switch they do not implement
+    turned on, or a forward that runs fewer layers than the model holds is a ValueError naming it, never a
+    pipeline of another model."""
     from transformers.models.llama.modeling_llama import LlamaModel
 
     from pyparallel.pipeline_parallel.adapters import hf_blocks
@@ -156,11 +157,21 @@ def test_forward_reads_the_blocks_do_not_reproduce_are_refused():
         def forward(self, input_ids=None, **kwargs):
             return super().forward(inputs_embeds=self.embed_tokens(input_ids) * self.input_scale, **kwargs)
 
+    class ValueResidualLlamaModel(LlamaModel):  # each layer also gets the embeddings
+        def forward(self, input_ids=None, **kwargs):
+            h = first = self.embed_tokens(input_ids)
+            for layer in self.layers:
+                h = layer(h, first_hidden=first, **kwargs)
+            return self.norm(h)
+
     model = hf_model("llama")
     scaled = ScaledLlamaModel(model.config)
     scaled.input_scale = 2.0
     model.model = scaled
     with pytest.raises(ValueError, match=r"ScaledLlamaModel.forward reads self.input_scale"):
+        hf_blocks(model)
+    model.model = ValueResidualLlamaModel(model.config)
+    with pytest.raises(ValueError, match=r"ValueResidualLlamaModel.forward gives its layers first_hidden="):
         hf_blocks(model)
 
     with pytest.raises(ValueError, match=r"use_bidirectional_attention.*\(on: config.use_bidirectional_attention"):

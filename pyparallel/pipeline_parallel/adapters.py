@@ -12,7 +12,8 @@ are passed. No KV cache: this is the training path.
 The blocks are only the model if nothing else happens around them. The causal LM's and its base model's
 ``forward`` are read (:func:`pyparallel.source.self_reads`): every attribute of ``self`` they read must be
 one the blocks stand for (the embedding, layers, norm, head, rotary tables, masks), one they reproduce
-(below), or a switch that is off (Gemma 3's bidirectional attention, an MoE router's auxiliary loss);
+(below), or a switch that is off (Gemma 3's bidirectional attention, an MoE router's auxiliary loss), and
+the layers may be given only what the wrapped layers rebuild (:func:`pyparallel.source.layer_calls`);
 anything else refuses the model with a ValueError naming it, rather than training a different model
 without a word. Reproduced, with the meaning these reads have in the models that make them: Granite's
 embeddings x ``embedding_multiplier`` and logits / ``config.logits_scaling``, Cohere's logits x
@@ -27,7 +28,7 @@ import inspect
 import torch
 import torch.nn as nn
 
-from pyparallel.source import self_reads
+from pyparallel.source import layer_calls, self_reads
 
 
 class HFEmbedding(nn.Module):
@@ -139,6 +140,14 @@ _STANDS_FOR = frozenset({
     "config.layer_types", "config.sliding_window", "has_sliding_layers", "gradient_checkpointing", "training",
     "warn_if_padding_and_no_attention_mask", "config.use_cache", "config.output_attentions",
     "config.output_hidden_states", "config.return_dict", "config.use_return_dict"})
+# What the base model's forward may hand each decoder layer: the hidden states, then what HFDecoderLayer
+# rebuilds (mask, positions, rotary tables), what it turns off (the cache) and GPT-2's cross-attention
+# inputs (refused when configured: config.add_cross_attention).
+_LAYER_KEYWORDS = frozenset({"attention_mask=", "position_embeddings=", "position_ids=", "cache=",
+                             "past_key_values=", "past_key_value=", "use_cache=", "cache_position=",
+                             "output_attentions=", "encoder_attention_mask=", "**"})
+_LAYER_INPUTS = frozenset({"hidden_states", "self", "cache", "past_key_values", "causal_mask", "attention_mask",
+                           "encoder_hidden_states", "cache_position"})
 # What the blocks reproduce (HFEmbedding, HFHead).
 _REPRODUCED = frozenset({"embedding_multiplier", "embedding_dropout", "logit_scale", "config.logits_scaling",
                          "config.final_logit_softcapping"})
@@ -172,6 +181,18 @@ def check_forwards(model: nn.Module, base: nn.Module, n_layers: int) -> set[str]
                              f"would compute something else; pass the model as an nn.Sequential or a list of "
                              f"blocks that does")
         seen |= set(reads)
+    calls = layer_calls(type(base))
+    if not calls:
+        raise ValueError(f"cannot pipeline a {type(model).__name__}: {type(base).__name__}.forward does not call "
+                         f"its layers in a loop over self.layers (or self.h), so nothing shows what each layer is "
+                         f"given; pass the model as an nn.Sequential or a list of blocks")
+    for call in calls:
+        extra = sorted({n for arg in call[1:] for n in arg} - _LAYER_KEYWORDS - _LAYER_INPUTS)
+        if len(call) == 0 or extra:
+            raise ValueError(f"cannot pipeline a {type(model).__name__}: {type(base).__name__}.forward gives its "
+                             f"layers {', '.join(extra) or 'no hidden states'}, which the pipeline's decoder layers "
+                             f"do not (they rebuild only the mask, positions and rotary tables); pass the model as "
+                             f"an nn.Sequential or a list of blocks that does")
     declared = getattr(config, "num_hidden_layers", None)
     if "config.num_hidden_layers" in seen and isinstance(declared, int) and declared < n_layers:
         raise ValueError(f"cannot pipeline a {type(model).__name__}: it holds {n_layers} decoder layers but its "
