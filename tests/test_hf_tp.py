@@ -147,6 +147,40 @@ def test_phi3_split_keeps_head_groups_and_local_config():
     assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 2)
 
 
+def own_loss_body():
+    """A causal LM whose forward computes its loss itself, not through ``self.loss_function``: with labels its
+    head still gathers the logits, so the loss is the one process's (split logits would be scored as if the
+    vocabulary were this rank's slice)."""
+    import transformers
+
+    class OwnLossLlama(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+            loss = None if labels is None else nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+            return types.SimpleNamespace(loss=loss, logits=logits)
+
+    mesh = pyparallel.init(tp=2)
+    torch.manual_seed(0)
+    model = OwnLossLlama(hf_config("llama"))
+    serial = copy.deepcopy(model)
+    parallelize(model, mesh)
+    idx = _ids(64, 3)
+    out, ref = model(input_ids=idx, labels=idx), serial(input_ids=idx, labels=idx)
+    torch.testing.assert_close(out.logits, ref.logits)
+    torch.testing.assert_close(out.loss, ref.loss)
+    out.loss.backward()
+    ref.loss.backward()
+    grads = full_parameters(model, grad=True)
+    for name, p in serial.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
+    return True
+
+
+def test_forward_with_its_own_loss_gets_whole_logits():
+    run(own_loss_body, 2)
+
+
 # ------------------------------------------------------------------------------------------ refusals
 
 

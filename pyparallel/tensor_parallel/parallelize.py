@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from pyparallel.data.tokens import check_token_ids
+from pyparallel.source import self_reads
 from pyparallel.tensor_parallel import plans as plans_mod
 from pyparallel.tensor_parallel import random as tp_random
 from pyparallel.tensor_parallel import styles as styles_mod
@@ -130,7 +131,8 @@ def split(model: nn.Module, mesh, plan: dict | None = None, *, sequence_parallel
     it cannot split exactly. With a ``"vocab_head"`` the logits stay split by vocabulary and the loss is the
     vocabulary-parallel cross-entropy (built-in GPT: ``model(idx, targets)``; Hugging Face:
     ``model(..., labels=...)``, whose ``.logits`` are then this rank's vocabulary slice; without
-    targets/labels the logits are gathered). A vocabulary t does not divide is padded to a multiple of
+    targets/labels, or when the forward does not compute its loss through ``self.loss_function``, the
+    logits are gathered). A vocabulary t does not divide is padded to a multiple of
     ``t * vocab_multiple`` (Megatron's ``make-vocab-size-divisible-by``; None refuses it instead): the padded
     logits are -inf and the padded rows are never saved. ``sequence_parallel`` (Korthikanti et al. 2022) is
     supported for the built-in GPT. ``attention_fixes`` maps attention class names to ``fn(module, tp, name)``
@@ -220,7 +222,11 @@ def _wire_loss(model, mesh, mplan, ctx) -> None:
         model._tp_group = group
         model.forward = types.MethodType(_gpt_tp_forward, model)
         return
-    # Hugging Face: with labels, keep the logits split and compute the loss on them; without, gather.
+    # Hugging Face: with labels, keep the logits split and compute the loss on them; without, gather. A forward
+    # that computes its loss some other way than through self.loss_function gets whole logits either way (its
+    # own loss on split ones would be another loss).
+    uses_loss_function = "loss_function" in (self_reads(type(model)) or ())
+
     def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                       shift_labels=None, **kwargs):
         split = group.size > 1 and logits.shape[-1] == head.weight.shape[0]  # else: the head gathered
@@ -228,7 +234,7 @@ def _wire_loss(model, mesh, mplan, ctx) -> None:
                               shift_labels, vocab_size=head.valid_out)
 
     def pre_hook(module, args, kwargs):
-        head.gather_output = kwargs.get("labels") is None
+        head.gather_output = kwargs.get("labels") is None or not uses_loss_function
         return None
 
     model.loss_function = loss_function
