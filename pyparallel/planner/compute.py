@@ -98,10 +98,9 @@ def layer_gemms(model, seq_len: int, micro_batch: int, tp: int) -> list[tuple[fl
     """(M, K, N) of each weight GEMM of one layer's forward on one TP rank (Megatron's split: QKV and the
     MLP up/gate projections by columns, the output and down projections by rows)."""
     m = micro_batch * seq_len  # tokens in the micro-batch: every GEMM's M
-    h, f = model.hidden, model.ffn_dim
-    kv_dim = model.kv * (h // model.heads)
-    gemms = [(m, h, (h + 2 * kv_dim) / tp),  # [m, h] @ [h, (h + 2kv)/t]: Q, K, V
-             (m, h / tp, h)]  # [m, h/t] @ [h/t, h]: attention output projection
+    h, f, q, kv_dim = model.hidden, model.ffn_dim, model.q_dim, model.kv_dim
+    gemms = [(m, h, (q + 2 * kv_dim) / tp),  # [m, h] @ [h, (q + 2kv)/t]: Q, K, V
+             (m, q / tp, h)]  # [m, q/t] @ [q/t, h]: attention output projection
     ups = 2 if model.gated_mlp else 1  # SwiGLU's gate and up projections
     gemms += [(m, h, f / tp)] * ups  # [m, h] @ [h, f/t]
     gemms.append((m, f / tp, h))  # [m, f/t] @ [f/t, h]: down projection
@@ -118,7 +117,7 @@ def attention_core_seconds(cm: ComputeModel, model, seq_len: int, micro_batch: i
     """Forward of the attention core: per head [s, d] @ [d, s] then [s, s] @ [s, d], batched over the
     b·a/t heads of a rank. Unfused, the s×s scores make the round trip through HBM (the roofline); fused
     (flash attention) they stay on chip, so only the FLOPs count."""
-    d = model.hidden // model.heads
+    d = model.head_size
     heads = micro_batch * model.heads / tp
     if model.fused_attention:
         return cm.gemm(attention_core_flops(model, seq_len, micro_batch, tp))

@@ -39,6 +39,10 @@ class ModelSpec:
     norm: str = "layernorm"
     default_seq_len: int = 2048
     total_params: int | None = None  # set only by from_params
+    head_dim: int | None = None  # per head, when it is not hidden / heads (Gemma, Qwen 3)
+    # (token and position embeddings, all layers, final norm + untied head) as counted from the model itself
+    # (a config.json that transformers can build on the meta device); None: counted from the shape above.
+    counts: tuple[int, int, int] | None = None
     # Fused (flash-style) attention never stores the s×s scores, softmax or its dropout mask: it recomputes
     # them in backward, which is Korthikanti et al.'s "selective" recompute built into the kernel.
     fused_attention: bool = True
@@ -62,33 +66,55 @@ class ModelSpec:
     def ffn_dim(self) -> int:
         return self.ffn or 4 * self.hidden
 
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries (and of the attention output): heads x head size, the hidden size unless the
+        model sets its own head_dim."""
+        return self.heads * self.head_size
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv * self.head_size  # grouped-query attention shrinks K and V only
+
     def _norm_params(self) -> int:
         return 2 * self.hidden if self.norm == "layernorm" else self.hidden
 
     def layer_params(self) -> int:
-        """Weights and biases of one transformer block: attention, MLP and its two norms."""
-        h, f = self.hidden, self.ffn_dim
-        kv_dim = self.kv * (h // self.heads)  # grouped-query attention shrinks K and V only
-        attn = 2 * h * h + 2 * h * kv_dim  # Q and output projection h×h, K and V h×kv_dim
+        """Weights and biases of one transformer block: attention, MLP and its two norms (counted from the
+        model: the mean over its layers)."""
+        if self.counts is not None:
+            return round(self.counts[1] / self.layers)
+        h, f, q, kv_dim = self.hidden, self.ffn_dim, self.q_dim, self.kv_dim
+        attn = 2 * h * q + 2 * h * kv_dim  # Q [h, q] and output projection [q, h], K and V [h, kv_dim]
         mats = 3 if self.gated_mlp else 2
         mlp = mats * h * f
         if self.bias:
-            attn += 2 * h + 2 * kv_dim
+            attn += q + 2 * kv_dim + h
             mlp += (mats - 1) * f + h
         return attn + mlp + 2 * self._norm_params()
 
     def embedding_params(self) -> int:
         """Token (and learned position) embeddings: what the first pipeline stage holds besides layers."""
+        if self.counts is not None:
+            return self.counts[0]
         return self.vocab * self.hidden + self.positions * self.hidden
 
     def head_params(self) -> int:
         """Final norm plus an untied output projection: what the last stage holds besides layers."""
+        if self.counts is not None:
+            return self.counts[2]
         return self._norm_params() + (0 if self.tied else self.vocab * self.hidden)
 
     def num_params(self) -> int:
         """Exact parameter count (tied embeddings counted once); GPT-2 small gives 124,439,808."""
         if not self.has_shape:
             return int(self.total_params)
+        if self.counts is not None:
+            return sum(self.counts)
         return self.embedding_params() + self.layers * self.layer_params() + self.head_params()
 
     def validate(self) -> ModelSpec:
@@ -98,7 +124,7 @@ class ModelSpec:
             if getattr(self, field_name) <= 0:
                 raise PlanError(f"model {self.name}: {field_name} must be positive, got "
                                 f"{getattr(self, field_name)}")
-        if self.hidden % self.heads:
+        if self.head_dim is None and self.hidden % self.heads:
             raise PlanError(f"model {self.name}: hidden size {self.hidden} is not divisible by {self.heads} "
                             f"heads (the head dimension must be an integer); change --hidden or --heads")
         if self.heads % self.kv:
@@ -165,18 +191,55 @@ def load_hf_config(path: str) -> ModelSpec:
     if missing:
         raise PlanError(f"model config {path} lacks {', '.join(missing)}")
     model_type = str(cfg.get("model_type", ""))
-    rotary = model_type in _ROPE_TYPES or "rope_theta" in cfg or "rope_scaling" in cfg
+    # transformers 5 saves rotary settings as rope_parameters (4.x: rope_theta / rope_scaling)
+    rotary = model_type in _ROPE_TYPES or any(k in cfg for k in ("rope_theta", "rope_scaling", "rope_parameters"))
     gated = model_type in _ROPE_TYPES - {"gpt_neox"} or cfg.get("hidden_act") in ("silu", "swiglu")
     positions = 0 if rotary else int(_first(cfg, "n_positions", "max_position_embeddings", default=0))
     seq = int(_first(cfg, "n_positions", "max_position_embeddings", default=2048))
-    return ModelSpec(
+    head_dim = cfg.get("head_dim")
+    spec = ModelSpec(
         name=str(cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or path),
         layers=int(layers), hidden=int(hidden), heads=int(heads), vocab=int(vocab),
         kv_heads=_first(cfg, "num_key_value_heads"), ffn=_first(cfg, "intermediate_size", "n_inner"),
         positions=positions, tied=bool(cfg.get("tie_word_embeddings", True)),
         bias=bool(_first(cfg, "attention_bias", "bias", default=not gated)), gated_mlp=gated,
         norm="rmsnorm" if "rms_norm_eps" in cfg else "layernorm", default_seq_len=seq,
+        head_dim=int(head_dim) if isinstance(head_dim, int) and head_dim * int(heads) != int(hidden) else None,
     ).validate()
+    counts = count_with_transformers(cfg)
+    return replace(spec, counts=counts) if counts is not None else spec
+
+
+def count_with_transformers(cfg: dict) -> tuple[int, int, int] | None:
+    """(embeddings, all layers, the rest: final norm and an untied head) of the causal LM that ``cfg``
+    describes, counted from transformers' own model class built on the meta device (no memory, nothing
+    read or downloaded): exact for every family transformers knows (per-head norms, extra norms, biases,
+    experts), where the shape formula of :class:`ModelSpec` knows only the LLaMA and GPT-2 layouts. None
+    when torch or transformers is missing or cannot build it (an unknown model_type, remote code): the
+    shape formula counts then. Imported only here, so ``pyparallel plan`` with a preset never loads torch."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    try:
+        config = transformers.AutoConfig.for_model(**cfg)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 (any failure to build: fall back to the shape formula)
+        return None
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    embedding = model.get_input_embeddings()
+    if layers is None or embedding is None:
+        return None
+    total = sum(p.numel() for p in model.parameters())  # a tied head counted once, as the model holds it
+    in_layers = sum(p.numel() for p in layers.parameters())
+    embed = sum(p.numel() for p in embedding.parameters())
+    positions = getattr(base, "wpe", None)
+    if positions is not None:
+        embed += sum(p.numel() for p in positions.parameters())
+    return embed, in_layers, total - embed - in_layers
 
 
 def resolve_model(name_or_path: str) -> ModelSpec:
