@@ -48,7 +48,7 @@ def chunk_users(pipe) -> dict[int, frozenset]:
 
 def round_plan(pipe, layouts, users: dict[int, frozenset], schedule: str) -> dict[int, list[int]]:
     """ZeRO-2 with several chunks per rank: local chunk -> the flat groups its reduction rounds reduce
-    (``ShardEngine._open_round``). A group of one chunk's parameters is reduced by that chunk's rounds; a
+    (``zero.rounds`` ``_open_round``). A group of one chunk's parameters is reduced by that chunk's rounds; a
     group whose parameters several local chunks hold (each group holds parameters of one set of chunks,
     ``stage_layouts``) by the rounds of the one among them whose round comes last in the action list, so its
     last round finds every micro-batch's gradients in (a round reduces what its groups have accumulated;

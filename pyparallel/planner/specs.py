@@ -222,12 +222,16 @@ def count_with_transformers(cfg: dict) -> tuple[int, int, int] | None:
         import transformers
     except ImportError:
         return None
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the plan's output, not the config's warnings
     try:
         config = transformers.AutoConfig.for_model(**cfg)
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
     except Exception:  # noqa: BLE001 (any failure to build: fall back to the shape formula)
         return None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     layers = getattr(base, "layers", None) or getattr(base, "h", None)
     embedding = model.get_input_embeddings()
