@@ -144,6 +144,20 @@ def test_embedding_dropout_draws_as_the_model_does():
     assert not torch.equal(model(input_ids=ids).logits, ref)  # the dropout is really drawn in training
 
 
+def test_a_config_key_the_forward_does_not_read_changes_nothing():
+    """A stray ``final_logit_softcapping`` in a LLaMA config (its forward never reads it): the head does
+    not cap the logits either."""
+    from pyparallel.pipeline_parallel.adapters import hf_blocks
+
+    model = hf_model("llama", final_logit_softcapping=0.5).double()
+    ids, mask, _ = padded_batch(5)
+    ref = model(input_ids=ids, attention_mask=mask).logits
+    x = ids
+    for block in hf_blocks(model):
+        x = block(x, attention_mask=mask) if getattr(block, "takes_attention_mask", False) else block(x)
+    torch.testing.assert_close(x, ref)
+
+
 def test_forward_reads_the_blocks_do_not_reproduce_are_refused():
     """What a causal LM's or its base model's forward does around the layers, the blocks must do too: a read
     of ``self`` they do not know, an input to the layers they do not rebuild, a switch they do not implement

@@ -36,9 +36,10 @@ class HFEmbedding(nn.Module):
     first block."""
 
     def __init__(self, tokens: nn.Module, positions: nn.Module | None, drop: nn.Module | None,
-                 multiplier: float | None = None):
+                 multiplier: float | None = None, dropout: float | None = None):
         super().__init__()
-        self.tokens, self.positions, self.drop, self.multiplier = tokens, positions, drop, multiplier
+        self.tokens, self.positions, self.drop = tokens, positions, drop
+        self.multiplier, self.dropout = multiplier, dropout
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tokens(ids)
@@ -46,6 +47,9 @@ class HFEmbedding(nn.Module):
             x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
         if self.multiplier is not None:
             x = x * self.multiplier
+        if self.dropout:  # Starcoder2's, functional: in the mode of the model's own embedding module, which both
+            # model.train()/eval() and the pipeline's reach (this wrapper only the latter)
+            x = nn.functional.dropout(x, self.dropout, self.tokens.training)
         return self.drop(x) if self.drop is not None else x
 
 
@@ -219,14 +223,11 @@ def hf_blocks(model) -> list[nn.Module] | None:
     def read(owner, attr):  # what the forward multiplies, divides or drops out by, where it reads it
         return getattr(owner, attr.removeprefix("config."), None) if attr in reads else None
 
-    drop = getattr(base, "drop", None)
-    if read(base, "embedding_dropout"):  # Starcoder2: functional dropout, as a module in the model's mode
-        drop = nn.Dropout(read(base, "embedding_dropout"))
-        drop.train(base.training)
     rotary = getattr(base, "rotary_emb", None)
-    embed = HFEmbedding(tokens, getattr(base, "wpe", None), drop, read(base, "embedding_multiplier"))
+    embed = HFEmbedding(tokens, getattr(base, "wpe", None), getattr(base, "drop", None),
+                        read(base, "embedding_multiplier"), read(base, "embedding_dropout"))
     kinds = layer_mask_kinds(config, len(layers))
     wrapped = [HFDecoderLayer(layer, config, rotary, kind) for layer, kind in zip(layers, kinds)]
-    head = HFHead(norm, head, getattr(config, "final_logit_softcapping", None), read(model, "logit_scale"),
+    head = HFHead(norm, head, read(config, "config.final_logit_softcapping"), read(model, "logit_scale"),
                   read(config, "config.logits_scaling"))
     return [embed, *wrapped, head]
