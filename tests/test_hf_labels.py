@@ -234,10 +234,10 @@ def pipeline_body(kind):
 
     # The mask matters: without it the same labels give another loss (so it really reached the layers). The
     # step is deterministic, so any difference past fp32 rounding (~5e-7 here) is the mask's; Granite's
-    # logits / 8 keep it near 1e-5.
+    # logits / 8 keep it near 1e-5, the others' above 1e-4.
     pipe.zero_grad()
     unmasked = pipe.step(ids, labels=labels)
-    assert abs(unmasked - loss) > 5e-6, (unmasked, loss)
+    assert abs(unmasked - loss) > (5e-6 if kind == "granite" else 1e-4), (unmasked, loss)
 
     # float64, 3 AdamW steps, two micro-batches of two rows, zero-bubble schedule (split backward).
     ref_losses, ref_params = hf_reference(kind)
