@@ -144,18 +144,76 @@ def test_embedding_dropout_draws_as_the_model_does():
     assert not torch.equal(model(input_ids=ids).logits, ref)  # the dropout is really drawn in training
 
 
-def test_a_config_key_the_forward_does_not_read_changes_nothing():
-    """A stray ``final_logit_softcapping`` in a LLaMA config (its forward never reads it): the head does
-    not cap the logits either."""
+@pytest.mark.parametrize("stray", [{"final_logit_softcapping": 0.5}, {"sliding_window": 2},
+                                   {"sliding_window": 2, "layer_types": ["sliding_attention"] * 2}])
+def test_a_config_key_the_forward_does_not_read_changes_nothing(stray):
+    """Keys a LLaMA config may carry but its forward never reads: a ``final_logit_softcapping`` (the head
+    does not cap the logits either) or a ``sliding_window``, with or without ``layer_types`` (every layer
+    still gets the full causal mask, as in LLaMA's own forward)."""
     from pyparallel.pipeline_parallel.adapters import hf_blocks
 
-    model = hf_model("llama", final_logit_softcapping=0.5).double()
+    model = hf_model("llama", **stray).double()
     ids, mask, _ = padded_batch(5)
     ref = model(input_ids=ids, attention_mask=mask).logits
     x = ids
     for block in hf_blocks(model):
         x = block(x, attention_mask=mask) if getattr(block, "takes_attention_mask", False) else block(x)
     torch.testing.assert_close(x, ref)
+
+
+def test_a_forward_that_does_something_else_to_the_hidden_states_is_refused():
+    """What reading the forwards by name cannot see, the dataflow check does (the forward and the blocks run
+    on a meta copy, the steps between the input ids and the logits compared): transformers' own NanoChat
+    applies its final norm before the layers as well; a user's base model adds the embeddings to every
+    layer's input, or halves every layer's output; a causal LM adds a bias held by its base model after
+    calling the parent's forward. Each reads only names the blocks stand for, and each is a ValueError
+    naming the first step where the forward and the blocks part."""
+    import transformers
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel
+
+    from pyparallel.pipeline_parallel.adapters import hf_blocks
+
+    cfg = transformers.AutoConfig.for_model("nanochat", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"NanoChatForCausalLM: .*step 2 of its forward is `h2 = model.norm\(h1\)` "
+                                         r"where the pipeline's blocks do `h2 = model.layers.0\(h1\)`"):
+        hf_blocks(transformers.AutoModelForCausalLM.from_config(cfg))
+
+    class EmbeddingsIntoEveryLayer(LlamaModel):
+        def forward(self, input_ids=None, **kwargs):
+            inputs_embeds = self.embed_tokens(input_ids)
+            hidden_states = inputs_embeds
+            for decoder_layer in self.layers:
+                hidden_states = decoder_layer(hidden_states + inputs_embeds)
+            return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
+
+    class HalvedLayers(LlamaModel):
+        def forward(self, input_ids=None, **kwargs):
+            hidden_states = self.embed_tokens(input_ids)
+            for decoder_layer in self.layers:
+                hidden_states = decoder_layer(hidden_states) * 0.5
+            return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
+
+    class BiasedLogits(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits + self.model.logit_bias
+            return out
+
+    model = hf_model("llama")
+    for base, step in [(EmbeddingsIntoEveryLayer, r"`h2 = add\(h1, h1\)` where the pipeline's blocks do "
+                                                  r"`h2 = model.layers.0\(h1\)`"),
+                       (HalvedLayers, r"`h3 = mul\(h2, 0.5\)` where the pipeline's blocks do "
+                                      r"`h3 = model.layers.1\(h2\)`")]:
+        model.model = base(model.config)
+        with pytest.raises(ValueError, match=f"LlamaForCausalLM: .*step \\d of its forward is {step}"):
+            hf_blocks(model)
+    biased = BiasedLogits(model.config)
+    biased.model.logit_bias = nn.Parameter(torch.zeros(model.config.vocab_size))
+    with pytest.raises(ValueError, match=r"BiasedLogits: .*its forward is `h6 = add\(h5, tensor\[64\]:float32\)` "
+                                         r"where the pipeline's blocks do `logits = h5`"):
+        hf_blocks(biased)
 
 
 def test_forward_reads_the_blocks_do_not_reproduce_are_refused():

@@ -28,6 +28,7 @@ import inspect
 import torch
 import torch.nn as nn
 
+from pyparallel.pipeline_parallel.trace import DataflowRecorder, meta_model, stub
 from pyparallel.source import layer_calls, self_reads
 
 
@@ -92,6 +93,8 @@ class HFDecoderLayer(nn.Module):
 def _meta_rotary(rotary: nn.Module) -> nn.Module:
     import copy
 
+    if all(b.is_meta for b in rotary.buffers()):
+        return rotary
     return copy.deepcopy(rotary).to("meta")
 
 
@@ -119,15 +122,17 @@ class HFHead(nn.Module):
 _MASK_KINDS = ("full_attention", "sliding_attention")
 
 
-def layer_mask_kinds(config, n_layers: int) -> list[str]:
-    """Which causal mask each decoder layer gets, as the models' own forwards choose: ``config.layer_types``
-    where the config has them (Gemma 2, Qwen 2/3), else a sliding window for every layer when
-    ``config.sliding_window`` is set (Mistral, Phi-3), else full causal. A layer type we do not build a
-    mask for is refused: giving it the full causal mask would train another model without a word."""
-    types = getattr(config, "layer_types", None)
+def layer_mask_kinds(config, n_layers: int, reads: set[str]) -> list[str]:
+    """Which causal mask each decoder layer gets, as the models' own forwards choose, from what they read
+    (``reads``, :func:`check_forwards`): ``config.layer_types`` where the forward reads them and the config
+    has them (Gemma 2, Qwen 2/3), else a sliding window for every layer where the forward reads
+    ``config.sliding_window`` and it is set (Mistral, Phi-3), else full causal: a key the forward does not
+    read (a ``sliding_window`` in a LLaMA config) changes nothing there either. A layer type we do not build
+    a mask for is refused: giving it the full causal mask would train another model without a word."""
+    types = getattr(config, "layer_types", None) if "config.layer_types" in reads else None
     if types is None:
-        kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
-        return [kind] * n_layers
+        slides = "config.sliding_window" in reads and getattr(config, "sliding_window", None) is not None
+        return ["sliding_attention" if slides else "full_attention"] * n_layers
     types = list(types)[:n_layers]
     odd = sorted({t for t in types if t not in _MASK_KINDS})
     if odd or len(types) != n_layers:
@@ -206,13 +211,25 @@ def check_forwards(model: nn.Module, base: nn.Module, n_layers: int) -> set[str]
 
 def hf_blocks(model) -> list[nn.Module] | None:
     """The blocks of a Hugging Face causal LM, or None when ``model`` is not one we recognise; ValueError
-    when its forward does something around the blocks that they would not (:func:`check_forwards`)."""
+    when its forward does something around the blocks that they would not (:func:`check_forwards`,
+    :func:`check_dataflow`)."""
+    blocks = _build(model)
+    if blocks is not None:
+        check_dataflow(model)
+    return blocks
+
+
+def _layers_of(base):
+    return getattr(base, "layers", None) or getattr(base, "h", None)
+
+
+def _build(model) -> list[nn.Module] | None:
     prefix = getattr(model, "base_model_prefix", None)
     base = getattr(model, prefix, None) if prefix else None
     head = getattr(model, "lm_head", None)
     if base is None or head is None:
         return None
-    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    layers = _layers_of(base)
     tokens = getattr(base, "embed_tokens", None) or getattr(base, "wte", None)
     norm = getattr(base, "norm", None) or getattr(base, "ln_f", None)
     if layers is None or tokens is None or norm is None:
@@ -226,8 +243,48 @@ def hf_blocks(model) -> list[nn.Module] | None:
     rotary = getattr(base, "rotary_emb", None)
     embed = HFEmbedding(tokens, getattr(base, "wpe", None), getattr(base, "drop", None),
                         read(base, "embedding_multiplier"), read(base, "embedding_dropout"))
-    kinds = layer_mask_kinds(config, len(layers))
+    kinds = layer_mask_kinds(config, len(layers), reads)
     wrapped = [HFDecoderLayer(layer, config, rotary, kind) for layer, kind in zip(layers, kinds)]
     head = HFHead(norm, head, read(config, "config.final_logit_softcapping"), read(model, "logit_scale"),
                   read(config, "config.logits_scaling"))
     return [embed, *wrapped, head]
+
+
+def check_dataflow(model: nn.Module, seq: int = 4) -> None:
+    """Refuse ``model`` (ValueError) unless the causal LM's own forward and the pipeline's blocks, run on a
+    meta copy of it, apply the same steps to the hidden states on the way from the input ids to the logits
+    (:mod:`pyparallel.pipeline_parallel.trace`): the same module calls, in the same order, wired the same
+    way, with the same operations and constants between them. This catches what reading the forwards by
+    name cannot: a piece called twice (a norm before the layers too), a layer given something computed from
+    the hidden states, a constant, a read through a submodule."""
+    meta = meta_model(model)
+    base = getattr(meta, meta.base_model_prefix)
+    rotary = getattr(base, "rotary_emb", None)
+    for layer in _layers_of(base):  # only where a layer sits on the path matters, not what it does inside
+        stub(layer, lambda hidden_states, *args, **kwargs: torch.empty_like(hidden_states))
+    if rotary is not None:
+        stub(rotary, lambda x, *args, **kwargs: (x.new_empty(0), x.new_empty(0)))
+    watched = {m: n for n, m in meta.named_modules() if m is not meta and m is not base and m is not rotary}
+    blocks = _build(meta)
+    ids = torch.zeros(2, seq, dtype=torch.long, device="meta")  # batch 2: HF looks for packed sequences in 1
+    runs = []
+    for who in ("its forward", "the pipeline's blocks"):
+        rec = DataflowRecorder(watched, opaque=[rotary] if rotary is not None else [])
+        with torch.no_grad(), rec:
+            rec.seed(ids)
+            if who == "its forward":
+                # use_cache: with a cache HF does not look for packed sequences (a data-dependent test)
+                out = meta(input_ids=ids, use_cache=True).logits
+            else:
+                out = ids
+                for block in blocks:
+                    out = block(out)
+        runs.append((who, rec.steps + [f"logits = {rec.label(out) or 'not on the path'}"]))
+    (_, want), (_, got) = runs
+    if want != got:
+        k = next(i for i in range(max(len(want), len(got))) if i >= len(want) or i >= len(got) or want[i] != got[i])
+        say = lambda steps: f"`{steps[k]}`" if k < len(steps) else "nothing more"  # noqa: E731
+        raise ValueError(f"cannot pipeline a {type(model).__name__}: on the way from the input ids (h0) to the "
+                         f"logits, step {k + 1} of its forward is {say(want)} where the pipeline's blocks do "
+                         f"{say(got)} (its steps: {'; '.join(want)}), so the pipelined model would compute "
+                         f"something else; pass the model as an nn.Sequential or a list of blocks that does")

@@ -233,8 +233,12 @@ def _wire_loss(model, mesh, mplan, ctx) -> None:
         return causal_lm_loss(logits, labels, group if split else None, num_items_in_batch, ignore_index,
                               shift_labels, vocab_size=head.valid_out)
 
+    head_name = next(n for n, m in model.named_modules() if m is head)
+
     def pre_hook(module, args, kwargs):
-        head.gather_output = kwargs.get("labels") is None or not uses_loss_function
+        # The head of the model being called: a deep copy of the model (the pipeline's meta-device trace of
+        # its forward) has its own, and must not switch this one.
+        module.get_submodule(head_name).gather_output = kwargs.get("labels") is None or not uses_loss_function
         return None
 
     model.loss_function = loss_function
