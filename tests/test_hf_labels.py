@@ -166,7 +166,8 @@ def test_a_forward_that_does_something_else_to_the_hidden_states_is_refused():
     on a meta copy, the steps between the input ids and the logits compared): transformers' own NanoChat
     applies its final norm before the layers as well; a user's base model adds the embeddings to every
     layer's input, or halves every layer's output; a causal LM adds a bias held by its base model after
-    calling the parent's forward. Each reads only names the blocks stand for, and each is a ValueError
+    calling the parent's forward; a forward hook on the model doubles its logits. Each reads only names the
+    blocks stand for, and each is a ValueError
     naming the first step where the forward and the blocks part."""
     import transformers
     from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -214,6 +215,11 @@ def test_a_forward_that_does_something_else_to_the_hidden_states_is_refused():
     with pytest.raises(ValueError, match=r"BiasedLogits: .*its forward is `h6 = add\(h5, tensor\[64\]:float32\)` "
                                          r"where the pipeline's blocks do `logits = h5`"):
         hf_blocks(biased)
+    hooked = hf_model("llama")  # a forward hook on the model: the pipeline never calls the model itself
+    hooked.register_forward_hook(lambda module, args, out: setattr(out, "logits", out.logits * 2.0))
+    with pytest.raises(ValueError, match=r"its forward is `h6 = mul\(h5, 2.0\)` where the pipeline's blocks do "
+                                         r"`logits = h5`"):
+        hf_blocks(hooked)
 
 
 def test_forward_reads_the_blocks_do_not_reproduce_are_refused():

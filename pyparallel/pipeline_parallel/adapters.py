@@ -19,6 +19,10 @@ without a word. Reproduced, with the meaning these reads have in the models that
 embeddings x ``embedding_multiplier`` and logits / ``config.logits_scaling``, Cohere's logits x
 ``logit_scale``, Starcoder2's dropout of ``embedding_dropout`` on the embeddings, Gemma 2's (and 3's)
 final logit soft-capping, and rotary tables per layer type (Gemma 3, OLMo 3).
+
+Names do not say what a forward does with what it reads, so the blocks are then checked by dataflow
+(:func:`check_dataflow`): on a meta copy of the model, the causal LM's own forward and the blocks must
+apply the same steps to the hidden states between the input ids and the logits.
 """
 
 from __future__ import annotations
