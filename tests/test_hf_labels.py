@@ -167,8 +167,8 @@ def test_a_forward_that_does_something_else_to_the_hidden_states_is_refused():
     applies its final norm before the layers as well; a user's base model adds the embeddings to every
     layer's input, or halves every layer's output; a causal LM adds a bias held by its base model after
     calling the parent's forward; a forward hook on the model doubles its logits. Each reads only names the
-    blocks stand for, and each is a ValueError
-    naming the first step where the forward and the blocks part."""
+    blocks stand for, and each is a ValueError naming the first step where the forward and the blocks part.
+    A forward the trace cannot run on meta (it reads a value) is refused, not passed unchecked."""
     import transformers
     from transformers.modeling_outputs import BaseModelOutputWithPast
     from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel
@@ -220,6 +220,18 @@ def test_a_forward_that_does_something_else_to_the_hidden_states_is_refused():
     with pytest.raises(ValueError, match=r"its forward is `h6 = mul\(h5, 2.0\)` where the pipeline's blocks do "
                                          r"`logits = h5`"):
         hf_blocks(hooked)
+
+    class CheckedLogits(LlamaForCausalLM):  # reads a value: the trace on meta cannot, so nothing is verified
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            if not out.logits.isfinite().all():
+                raise FloatingPointError("non-finite logits")
+            return out
+
+    model = CheckedLogits(model.config)
+    with pytest.raises(ValueError, match=r"CheckedLogits: its forward could not run on the meta device "
+                                         r"\(RuntimeError: .*meta"):
+        hf_blocks(model)
 
 
 def test_forward_reads_the_blocks_do_not_reproduce_are_refused():

@@ -223,6 +223,11 @@ def hf_blocks(model) -> list[nn.Module] | None:
     return blocks
 
 
+def _takes(fn, name: str) -> bool:
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def _layers_of(base):
     return getattr(base, "layers", None) or getattr(base, "h", None)
 
@@ -271,18 +276,26 @@ def check_dataflow(model: nn.Module, seq: int = 4) -> None:
     watched = {m: n for n, m in meta.named_modules() if m is not meta and m is not base and m is not rotary}
     blocks = _build(meta)
     ids = torch.zeros(2, seq, dtype=torch.long, device="meta")  # batch 2: HF looks for packed sequences in 1
+    # use_cache: with a cache HF does not look for packed sequences (a data-dependent test on meta)
+    cache = {"use_cache": True} if _takes(meta.forward, "use_cache") else {}
     runs = []
     for who in ("its forward", "the pipeline's blocks"):
         rec = DataflowRecorder(watched, opaque=[rotary] if rotary is not None else [])
-        with torch.no_grad(), rec:
-            rec.seed(ids)
-            if who == "its forward":
-                # use_cache: with a cache HF does not look for packed sequences (a data-dependent test)
-                out = meta(input_ids=ids, use_cache=True).logits
-            else:
-                out = ids
-                for block in blocks:
-                    out = block(out)
+        try:
+            with torch.no_grad(), rec:
+                rec.seed(ids)
+                if who == "its forward":
+                    out = meta(input_ids=ids, **cache)
+                    out = out.logits if hasattr(out, "logits") else out[0]
+                else:
+                    out = ids
+                    for block in blocks:
+                        out = block(out)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the run, the blocks are unverified
+            raise ValueError(f"cannot pipeline a {type(model).__name__}: {who} could not run on the meta device "
+                             f"({type(exc).__name__}: {exc}), so nothing shows that the pipeline's blocks compute "
+                             f"what the model computes; pass the model as an nn.Sequential or a list of "
+                             f"blocks") from exc
         runs.append((who, rec.steps + [f"logits = {rec.label(out) or 'not on the path'}"]))
     (_, want), (_, got) = runs
     if want != got:
