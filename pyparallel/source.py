@@ -90,12 +90,19 @@ def self_reads(cls: type) -> tuple[str, ...] | None:
     return tuple(sorted(found))
 
 
+def _plain(node: ast.AST) -> bool:
+    """A name, a constant, or an entry of a name (``masks[layer_type]``): a value computed elsewhere."""
+    return isinstance(node, (ast.Name, ast.Constant)) or (isinstance(node, ast.Subscript)
+                                                          and isinstance(node.value, ast.Name))
+
+
 @functools.cache
 def layer_calls(cls: type, attrs: tuple[str, ...] = ("layers", "h")) -> tuple[tuple[tuple[str, ...], ...], ...] | None:
     """How ``cls.forward`` calls the layers it loops over (``for layer in self.layers[...]`` or
     ``enumerate(self.h)``): per call, the names each argument is built from, positional ones first, then
-    ``"<keyword>="`` per keyword (``"**"`` for a ``**kwargs`` unpack). None when the source cannot be read;
-    empty when it has no such loop."""
+    ``"<keyword>="`` per keyword whose value is a name, a constant or an entry of a name (a mask per layer
+    type), ``"<keyword>=<expression>"`` for any other value, and ``"**"`` for a ``**kwargs`` unpack. None
+    when the source cannot be read; empty when it has no such loop."""
     tree = forward_tree(cls)
     if tree is None:
         return None
@@ -111,6 +118,7 @@ def layer_calls(cls: type, attrs: tuple[str, ...] = ("layers", "h")) -> tuple[tu
         for node in ast.walk(loop):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in targets:
                 args = [tuple(sorted({n.id for n in ast.walk(a) if isinstance(n, ast.Name)})) for a in node.args]
-                args += [(f"{k.arg}=",) if k.arg else ("**",) for k in node.keywords]
+                args += [(f"{k.arg}=" + ("" if _plain(k.value) else ast.unparse(k.value)),) if k.arg else ("**",)
+                         for k in node.keywords]
                 calls.append(tuple(args))
     return tuple(calls)

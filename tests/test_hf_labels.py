@@ -254,7 +254,20 @@ def test_forward_reads_the_blocks_do_not_reproduce_are_refused():
                 h = layer(h, first_hidden=first, **kwargs)
             return self.norm(h)
 
+    class ShiftedPositionsLlamaModel(LlamaModel):  # the layers' positions computed in the call
+        def forward(self, input_ids=None, **kwargs):
+            h = self.embed_tokens(input_ids)
+            position_ids = torch.arange(h.shape[1]).unsqueeze(0)
+            for layer in self.layers:
+                h = layer(h, position_ids=position_ids + 1,
+                          position_embeddings=self.rotary_emb(h, position_ids=position_ids + 1))
+            return self.norm(h)
+
     model = hf_model("llama")
+    model.model = ShiftedPositionsLlamaModel(model.config)
+    with pytest.raises(ValueError, match=r"ShiftedPositionsLlamaModel.forward gives its layers "
+                                         r"position_embeddings=self.rotary_emb.*, position_ids=position_ids \+ 1"):
+        hf_blocks(model)
     scaled = ScaledLlamaModel(model.config)
     scaled.input_scale = 2.0
     model.model = scaled
