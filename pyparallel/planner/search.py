@@ -110,12 +110,19 @@ def stage_layers(layers: int, pp: int, stage: int) -> int:
     return layers // pp + (1 if stage >= pp - extra else 0)
 
 
+def stage_first_layer(layers: int, pp: int, stage: int) -> int:
+    """Index of ``stage``'s first layer (stages hold contiguous layers, :func:`stage_layers` of them)."""
+    return sum(stage_layers(layers, pp, s) for s in range(stage))
+
+
 def stage_params(model: ModelSpec, pp: int, stage: int) -> int:
-    """Parameters on a pipeline stage: its layers, the embeddings on the first, the final norm and head on
-    the last (a tied head is a second copy of the embedding there, as in Megatron-LM)."""
+    """Parameters on a pipeline stage: its layers (counted per layer where the model was: a mixture of
+    experts' dense first layers make its first stage lighter), the embeddings on the first, the final norm
+    and head on the last (a tied head is a second copy of the embedding there, as in Megatron-LM)."""
     if not model.has_shape:
         return model.num_params()
-    n = stage_layers(model.layers, pp, stage) * model.layer_params()
+    first = stage_first_layer(model.layers, pp, stage)
+    n = model.layers_params(first, first + stage_layers(model.layers, pp, stage))
     if stage == 0:
         n += model.embedding_params()
     if stage == pp - 1:
@@ -156,7 +163,7 @@ def unit_params(model: ModelSpec) -> float:
     only a parameter count, the layer of a transformer of typical aspect (Ψ ≈ 12·L·h² with L ≈ h/128, as
     GPT-3's 175B has): h = (128·Ψ/12)^(1/3), 12·h² parameters per layer."""
     if model.has_shape:
-        return float(max(model.layer_params(), model.embedding_params()))
+        return float(max(model.max_layer_params(), model.embedding_params()))
     h = (128 * model.num_params() / 12) ** (1 / 3)
     return 12 * h * h
 

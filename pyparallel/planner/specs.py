@@ -43,6 +43,9 @@ class ModelSpec:
     # (token and position embeddings, all layers, final norm + untied head) as counted from the model itself
     # (a config.json that transformers can build on the meta device); None: counted from the shape above.
     counts: tuple[int, int, int] | None = None
+    # Each layer's parameters, counted alike: layers differ in a mixture of experts with dense first layers
+    # (DeepSeek-V3) or experts every other layer, and a stage or ZeRO-3's gathered unit holds given layers.
+    layer_counts: tuple[int, ...] | None = None
     # Fused (flash-style) attention never stores the s×s scores, softmax or its dropout mask: it recomputes
     # them in backward, which is Korthikanti et al.'s "selective" recompute built into the kernel.
     fused_attention: bool = True
@@ -96,6 +99,17 @@ class ModelSpec:
             attn += q + 2 * kv_dim + h
             mlp += (mats - 1) * f + h
         return attn + mlp + 2 * self._norm_params()
+
+    def layers_params(self, start: int, stop: int) -> int:
+        """Parameters of layers ``start..stop-1`` (a pipeline stage's): counted per layer where the model was
+        counted, else that many times :meth:`layer_params`."""
+        if self.layer_counts is not None:
+            return sum(self.layer_counts[start:stop])
+        return (stop - start) * self.layer_params()
+
+    def max_layer_params(self) -> int:
+        """The largest layer (ZeRO-3 gathers a whole layer at a time)."""
+        return max(self.layer_counts) if self.layer_counts else self.layer_params()
 
     def embedding_params(self) -> int:
         """Token (and learned position) embeddings: what the first pipeline stage holds besides layers."""
@@ -206,13 +220,16 @@ def load_hf_config(path: str) -> ModelSpec:
         norm="rmsnorm" if "rms_norm_eps" in cfg else "layernorm", default_seq_len=seq,
         head_dim=int(head_dim) if isinstance(head_dim, int) and head_dim * int(heads) != int(hidden) else None,
     ).validate()
-    counts = count_with_transformers(cfg)
-    return replace(spec, counts=counts) if counts is not None else spec
+    counted = count_with_transformers(cfg)
+    if counted is None:
+        return spec
+    counts, per_layer = counted
+    return replace(spec, counts=counts, layer_counts=per_layer if len(per_layer) == spec.layers else None)
 
 
-def count_with_transformers(cfg: dict) -> tuple[int, int, int] | None:
-    """(embeddings, all layers, the rest: final norm and an untied head) of the causal LM that ``cfg``
-    describes, counted from transformers' own model class built on the meta device (no memory, nothing
+def count_with_transformers(cfg: dict) -> tuple[tuple[int, int, int], tuple[int, ...]] | None:
+    """((embeddings, all layers, the rest: final norm and an untied head), each layer's count) of the causal
+    LM that ``cfg`` describes, counted from transformers' own model class built on the meta device (no memory, nothing
     read or downloaded): exact for every family transformers knows (per-head norms, extra norms, biases,
     experts), where the shape formula of :class:`ModelSpec` knows only the LLaMA and GPT-2 layouts. None
     when torch or transformers is missing or cannot build it (an unknown model_type, remote code): the
@@ -238,12 +255,13 @@ def count_with_transformers(cfg: dict) -> tuple[int, int, int] | None:
     if layers is None or embedding is None:
         return None
     total = sum(p.numel() for p in model.parameters())  # a tied head counted once, as the model holds it
-    in_layers = sum(p.numel() for p in layers.parameters())
+    per_layer = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    in_layers = sum(p.numel() for p in layers.parameters())  # a weight shared between layers counted once
     embed = sum(p.numel() for p in embedding.parameters())
     positions = getattr(base, "wpe", None)
     if positions is not None:
         embed += sum(p.numel() for p in positions.parameters())
-    return embed, in_layers, total - embed - in_layers
+    return (embed, in_layers, total - embed - in_layers), per_layer
 
 
 def resolve_model(name_or_path: str) -> ModelSpec:
