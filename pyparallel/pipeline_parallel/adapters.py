@@ -32,7 +32,8 @@ import inspect
 import torch
 import torch.nn as nn
 
-from pyparallel.pipeline_parallel.trace import DataflowRecorder, meta_model, stub
+from pyparallel.pipeline_parallel.stage import meta_copy
+from pyparallel.pipeline_parallel.trace import DataflowRecorder, stub
 from pyparallel.source import layer_calls, self_reads
 
 
@@ -266,7 +267,7 @@ def check_dataflow(model: nn.Module, seq: int = 4) -> None:
     way, with the same operations and constants between them. This catches what reading the forwards by
     name cannot: a piece called twice (a norm before the layers too), a layer given something computed from
     the hidden states, a constant, a read through a submodule."""
-    meta = meta_model(model)
+    meta = meta_copy([model])[0]
     base = getattr(meta, meta.base_model_prefix)
     rotary = getattr(base, "rotary_emb", None)
     for layer in _layers_of(base):  # only where a layer sits on the path matters, not what it does inside

@@ -20,24 +20,12 @@ the input ids, given the same modules.
 
 from __future__ import annotations
 
-import copy
 import inspect
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
-
-
-def meta_model(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` with every parameter and buffer on the meta device (ties preserved, no
-    memory, the original untouched)."""
-    memo = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in memo:
-            meta = torch.empty_like(t, device="meta")
-            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
 
 
 def stub(module: nn.Module, fn: Callable) -> None:
