@@ -233,6 +233,21 @@ def _layers_of(base):
     return getattr(base, "layers", None) or getattr(base, "h", None)
 
 
+# The oldest transformers the HF blocks are tested with: its mask builders take ``cache=`` (5.23 and older
+# call it ``past_key_values``), and older forwards read what the blocks do not know.
+MIN_TRANSFORMERS = (5, 24)
+
+
+def _check_transformers() -> None:
+    import transformers
+
+    found = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    if found < MIN_TRANSFORMERS:
+        raise ValueError(f"pipelining a Hugging Face model needs transformers >= "
+                         f"{'.'.join(map(str, MIN_TRANSFORMERS))}, found {transformers.__version__}: "
+                         f"pip install -U transformers, or pass the model as an nn.Sequential or a list of blocks")
+
+
 def _build(model) -> list[nn.Module] | None:
     prefix = getattr(model, "base_model_prefix", None)
     base = getattr(model, prefix, None) if prefix else None
@@ -244,6 +259,7 @@ def _build(model) -> list[nn.Module] | None:
     norm = getattr(base, "norm", None) or getattr(base, "ln_f", None)
     if layers is None or tokens is None or norm is None:
         return None
+    _check_transformers()
     config = model.config
     reads = check_forwards(model, base, len(layers))
 
