@@ -292,12 +292,11 @@ def test_forward_reads_the_blocks_do_not_reproduce_are_refused():
 def test_older_transformers_is_refused(monkeypatch):
     """Before 5.24 transformers' mask builders call the cache ``past_key_values``: the blocks would fail
     inside the first layer; they refuse up front, naming the version."""
-    import transformers
-
+    from pyparallel.pipeline_parallel import adapters
     from pyparallel.pipeline_parallel.adapters import hf_blocks
 
     model = hf_model("llama")
-    monkeypatch.setattr(transformers, "__version__", "5.23.0")
+    monkeypatch.setattr(adapters, "_transformers_version", lambda: "5.23.0")
     with pytest.raises(ValueError, match=r"needs transformers >= 5.24, found 5.23.0"):
         hf_blocks(model)
 

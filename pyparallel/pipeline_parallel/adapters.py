@@ -238,14 +238,19 @@ def _layers_of(base):
 MIN_TRANSFORMERS = (5, 24)
 
 
-def _check_transformers() -> None:
+def _transformers_version() -> str:
     import transformers
 
-    found = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    return transformers.__version__
+
+
+def _check_transformers() -> None:
+    version = _transformers_version()
+    found = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
     if found < MIN_TRANSFORMERS:
         raise ValueError(f"pipelining a Hugging Face model needs transformers >= "
-                         f"{'.'.join(map(str, MIN_TRANSFORMERS))}, found {transformers.__version__}: "
-                         f"pip install -U transformers, or pass the model as an nn.Sequential or a list of blocks")
+                         f"{'.'.join(map(str, MIN_TRANSFORMERS))}, found {version}: pip install -U transformers, "
+                         f"or pass the model as an nn.Sequential or a list of blocks")
 
 
 def _build(model) -> list[nn.Module] | None:
