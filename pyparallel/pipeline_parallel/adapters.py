@@ -297,7 +297,7 @@ def check_dataflow(model: nn.Module, seq: int = 4) -> None:
         stub(rotary, lambda x, *args, **kwargs: (x.new_empty(0), x.new_empty(0)))
     watched = {m: n for n, m in meta.named_modules() if m is not meta and m is not base and m is not rotary}
     blocks = _build(meta)
-    ids = torch.zeros(2, seq, dtype=torch.long, device="meta")  # batch 2: HF looks for packed sequences in 1
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     # use_cache: with a cache HF does not look for packed sequences (a data-dependent test on meta)
     cache = {"use_cache": True} if _takes(meta.forward, "use_cache") else {}
     runs = []
